@@ -1,0 +1,46 @@
+"""shoal: take a PyTorch training job from one process to many, and keep it running."""
+
+__version__ = "0.1.0"
+
+from shoal.runtime.collectives import (  # noqa: E402
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    reduce_scatter,
+)
+from shoal.runtime.dist import (  # noqa: E402
+    DistEnv,
+    cleanup,
+    device,
+    init,
+    is_main,
+    local_rank,
+    rank,
+    world_size,
+)
+from shoal.runtime.info import info  # noqa: E402
+from shoal.runtime.spawn import WorkerFailedError, spawn  # noqa: E402
+
+__all__ = [
+    "DistEnv",
+    "WorkerFailedError",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "cleanup",
+    "device",
+    "info",
+    "init",
+    "is_main",
+    "local_rank",
+    "rank",
+    "reduce_scatter",
+    "spawn",
+    "world_size",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from shoal.cli.main import main
+
+sys.exit(main())

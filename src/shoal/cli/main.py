@@ -1,0 +1,39 @@
+"""Entry point of the `shoal` command: dispatch to subcommands, turn usage errors into one line."""
+
+from __future__ import annotations
+
+import sys
+
+from shoal.cli import env as env_cmd
+from shoal.cli import run as run_cmd
+from shoal.cli import train as train_cmd
+from shoal.cli.parser import Parser
+from shoal.errors import UsageError
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="shoal", description="Distributed PyTorch training that keeps running.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    subparsers.required = True
+    run_cmd.register(subparsers)
+    train_cmd.register(subparsers)
+    env_cmd.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.handler(args)
+    except UsageError as exc:
+        sys.stderr.write(f"shoal {args.command}: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("shoal: interrupted\n")
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""`shoal train`: placeholder replaced below."""
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    pass

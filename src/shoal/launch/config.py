@@ -1,0 +1,91 @@
+"""The launch specification: one validated dataclass built at the command line's edge."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from shoal.errors import UsageError
+
+
+def resolve_nproc(value: int | str) -> int:
+    """Turn ``--nproc-per-node`` into a count: ``auto`` is one per GPU, else one per CPU core."""
+    if isinstance(value, str):
+        if value == "auto":
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.device_count()
+            return os.cpu_count() or 1
+        try:
+            value = int(value)
+        except ValueError:
+            raise UsageError(
+                f"--nproc-per-node must be a whole number or 'auto', not {value!r}"
+            ) from None
+    return value
+
+
+@dataclass
+class LaunchSpec:
+    """What to run and on how many processes; read once from the command line."""
+
+    entry: str
+    """The script path, or the module name when ``module`` is true."""
+    args: list[str] = field(default_factory=list)
+    """Arguments passed to the script unchanged."""
+    module: bool = False
+    """Run ``entry`` as a module (``python -m entry``)."""
+    nproc_per_node: int = 1
+    """Worker processes on this node."""
+    nnodes: int = 1
+    """Number of nodes (machines) taking part."""
+    node_rank: int = 0
+    """This node's index in ``[0, nnodes)``."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where the rendezvous store runs."""
+    master_port: int | None = None
+    """Port of the rendezvous store; on one node, ``None`` picks a free one."""
+    max_restarts: int = 0
+    """How many times the whole worker group is restarted after a failure."""
+    log_dir: str | None = None
+    """Directory that keeps one stdout/stderr log per rank; a temporary one if not given."""
+    monitor_interval: float = 0.1
+    """Seconds between checks of the workers' state."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise UsageError(
+                f"--nproc-per-node must be at least 1, got {self.nproc_per_node}"
+            )
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes}, "
+                f"got {self.node_rank}"
+            )
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise UsageError("--master-port is required when --nnodes is more than 1")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if not self.module and not os.path.isfile(self.entry):
+            raise UsageError(f"script not found: {self.entry}")
+        if self.module:
+            self._check_module_importable()
+
+    def _check_module_importable(self) -> None:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(self.entry)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise UsageError(f"module not found: {self.entry}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node

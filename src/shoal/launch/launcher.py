@@ -1,0 +1,94 @@
+"""`shoal run`: start workers with torch.distributed.elastic and report how they ended."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import uuid
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from shoal.launch.config import LaunchSpec
+from shoal.launch.ports import check_port_free
+from shoal.launch.summary import report_failure
+
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+
+
+def _is_local(addr: str) -> bool:
+    import socket
+
+    if addr in _LOCAL_HOSTS:
+        return True
+    try:
+        return addr in {socket.gethostname(), socket.getfqdn()} or addr in {
+            info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)
+        }
+    except OSError:
+        return False
+
+
+def build_launch_config(spec: LaunchSpec, log_dir: str) -> LaunchConfig:
+    """Map the validated spec onto torch's own LaunchConfig."""
+    if spec.nnodes == 1 and spec.master_port is None:
+        # The c10d store binds port 0, so the OS picks a free port: no "address in use" race.
+        rdzv_backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {}
+    else:
+        rdzv_backend = "static"
+        endpoint = f"{spec.master_addr}:{spec.master_port}"
+        rdzv_configs = {"rank": spec.node_rank}
+    return LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc_per_node,
+        run_id=f"shoal-{uuid.uuid4().hex[:8]}",
+        role="worker",
+        rdzv_endpoint=endpoint,
+        rdzv_backend=rdzv_backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=spec.max_restarts,
+        monitor_interval=spec.monitor_interval,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL),
+        log_line_prefix_template="[rank${rank}]: ",
+        local_addr=spec.master_addr if spec.nnodes == 1 else None,
+    )
+
+
+def _worker_argv(spec: LaunchSpec) -> list[str]:
+    argv = ["-m", "shoal.launch.worker"]
+    if spec.module:
+        argv.append("-m")
+    return [*argv, spec.entry, *spec.args]
+
+
+def quiet_torch_logs() -> None:
+    # The agent logs every state change; shoal prints its own summary instead.
+    # torch gives each of its modules a logger with its own level, so set them one by one.
+    level = os.environ.get("SHOAL_TORCH_LOG_LEVEL", "CRITICAL")
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher",
+                            "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(level)
+
+
+def launch(spec: LaunchSpec) -> int:
+    """Run the job described by ``spec``; return the launcher's exit code."""
+    if spec.master_port is not None and spec.node_rank == 0 and _is_local(spec.master_addr):
+        host = spec.master_addr if spec.master_addr != "localhost" else "127.0.0.1"
+        check_port_free(host, spec.master_port)
+    if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Several processes on one node would otherwise each start a thread per core.
+        os.environ["OMP_NUM_THREADS"] = "1"
+    quiet_torch_logs()
+    log_dir = spec.log_dir or tempfile.mkdtemp(prefix="shoal-logs-")
+    os.makedirs(log_dir, exist_ok=True)
+    config = build_launch_config(spec, log_dir)
+    try:
+        elastic_launch(config, sys.executable)(*_worker_argv(spec))
+    except ChildFailedError as failed:
+        return report_failure(failed, log_dir)
+    return 0

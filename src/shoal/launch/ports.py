@@ -1,0 +1,28 @@
+"""Port helpers: pick a free port, or say clearly that a requested one is taken."""
+
+from __future__ import annotations
+
+import socket
+
+from shoal.errors import UsageError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free right now on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise a UsageError naming the port when something already listens on it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR: a port in TIME_WAIT is fine for the store; a live listener still fails.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise UsageError(
+                f"--master-port {port} on {host} is already in use ({exc.strerror}); "
+                "choose another port, or leave --master-port out on one node to pick a free one"
+            ) from None

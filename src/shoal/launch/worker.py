@@ -1,0 +1,75 @@
+"""Worker bootstrap: runs the user's script or module exactly as ``python`` would.
+
+The launcher starts ``python -m shoal.launch.worker [-m] ENTRY ARGS...``. Running the user's
+code under torch's ``record`` writes any uncaught exception with its traceback to the error
+file torch.distributed.elastic gives each worker, so the launcher can report it by rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+_PR_SET_PDEATHSIG = 1
+# Frames of the bootstrap itself, hidden from the traceback a user reads.
+_OWN_FRAMES = ("shoal/launch/worker.py", "<frozen runpy>", "/runpy.py",
+               "elastic/multiprocessing/errors/__init__.py")
+
+
+def _is_own_frame(filename: str) -> bool:
+    return any(part in filename.replace(os.sep, "/") for part in _OWN_FRAMES)
+
+
+def _user_traceback(tb):
+    while tb is not None and _is_own_frame(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def _die_with_launcher() -> None:
+    # If the launcher itself is killed (SIGKILL cannot be caught), no worker may outlive it.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the elastic agent's own shutdown still applies
+    if os.getppid() == 1:
+        os._exit(1)  # the launcher died before prctl took effect
+
+
+def _run(argv: list[str]) -> None:
+    if argv and argv[0] == "-m":
+        module, args = argv[1], argv[2:]
+        sys.argv = [module, *args]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script, args = argv[0], argv[1:]
+        sys.argv = [script, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    _die_with_launcher()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    try:
+        # record() writes the error file that the launcher's failure summary reads.
+        record(_run)(sys.argv[1:])
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        # Printed here rather than by sys.excepthook: torch's hook would add a second rank
+        # prefix to lines the launcher already prefixes.
+        traceback.print_exception(type(exc), exc, _user_traceback(exc.__traceback__))
+        sys.stderr.flush()
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The process-group runtime: init, ranks, collectives, spawn, info."""

@@ -1,0 +1,101 @@
+"""Collectives over the default process group, with string ops and gloo-safe averaging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shoal.errors import UsageError
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+OPS = (*_OPS, "avg")
+
+
+def _reduce_op(op: str) -> dist.ReduceOp:
+    if op not in OPS:
+        raise UsageError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    return _OPS.get(op, dist.ReduceOp.SUM)
+
+
+def _check_avg(tensor: torch.Tensor) -> None:
+    if not tensor.is_floating_point():
+        raise UsageError(f"op='avg' needs a floating-point tensor, got {tensor.dtype}")
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` across ranks in place and return it. ``avg`` works on every backend."""
+    reduce_op = _reduce_op(op)
+    if op == "avg":
+        _check_avg(tensor)
+    dist.all_reduce(tensor, op=reduce_op)
+    if op == "avg":
+        # gloo has no AVG; summing then dividing gives the same result on every backend.
+        tensor.div_(dist.get_world_size())
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on all ranks), indexed by rank."""
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor.contiguous())
+    return out
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s, in place, and return it."""
+    dist.broadcast(tensor, src=src)
+    return tensor
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` across ranks and return this rank's slice of dim 0.
+
+    Dim 0 must divide by the world size; rank r receives rows ``[r*n/W, (r+1)*n/W)``.
+    """
+    world = dist.get_world_size()
+    if tensor.dim() == 0 or tensor.shape[0] % world:
+        raise UsageError(
+            f"reduce_scatter needs dim 0 divisible by the world size {world}, "
+            f"got shape {tuple(tensor.shape)}"
+        )
+    reduce_op = _reduce_op(op)
+    if op == "avg":
+        _check_avg(tensor)
+    out = torch.empty((tensor.shape[0] // world, *tensor.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
+    if dist.get_backend() == "gloo":
+        # gloo has no native reduce-scatter: all-reduce a copy and keep this rank's slice.
+        full = tensor.clone()
+        dist.all_reduce(full, op=reduce_op)
+        out.copy_(full.chunk(world)[dist.get_rank()])
+    else:
+        dist.reduce_scatter_tensor(out, tensor.contiguous(), op=reduce_op)
+    if op == "avg":
+        out.div_(world)
+    return out
+
+
+def barrier() -> None:
+    """Wait until every rank reaches this point."""
+    dist.barrier()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, indexed by rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank."""
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,138 @@
+"""Process-group lifecycle and rank queries.
+
+The launcher's environment (RANK, WORLD_SIZE, ...) is read once, in ``init``, into a
+``DistEnv``. Without a launcher, ``init`` makes a one-process group so that the same code
+(collectives, DDP) runs unchanged under plain ``python script.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shoal.errors import UsageError
+
+_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What the launcher told this process about its place in the job."""
+
+    rank: int = 0
+    """Global rank of this process."""
+    local_rank: int = 0
+    """Rank of this process on its node; picks the GPU."""
+    world_size: int = 1
+    """Number of processes in the job."""
+    local_world_size: int = 1
+    """Number of processes on this node."""
+    launched: bool = False
+    """True when a launcher (shoal run, torchrun) set the environment."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        env = os.environ if environ is None else environ
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return cls()
+        return cls(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env["WORLD_SIZE"]),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            launched=True,
+        )
+
+
+_env: DistEnv | None = None
+_device: torch.device | None = None
+
+
+def resolve_backend(backend: str | None) -> str:
+    """NCCL when CUDA is available, gloo otherwise, unless the caller names one."""
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in _BACKENDS:
+        raise UsageError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError("backend 'nccl' needs CUDA, and no CUDA device is visible; use 'gloo'")
+    return backend
+
+
+def init(backend: str | None = None, timeout: float | None = None) -> DistEnv:
+    """Join the job's process group (once; later calls return the same DistEnv)."""
+    global _env, _device
+    if _env is not None and dist.is_initialized():
+        return _env
+    env = DistEnv.from_environ()
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        _device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(_device)
+    else:
+        _device = torch.device("cpu")
+    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    if not dist.is_initialized():
+        if env.launched:
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
+        else:
+            # No launcher: a group of one, so collectives and DDP work the same way.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    **kwargs)
+    _env = env
+    return env
+
+
+def cleanup() -> None:
+    """Leave the process group; safe to call when not initialized."""
+    global _env, _device
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _env = None
+    _device = None
+
+
+def is_initialized() -> bool:
+    return _env is not None and dist.is_initialized()
+
+
+def rank() -> int:
+    """Global rank (0 outside a job)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return DistEnv.from_environ().rank
+
+
+def local_rank() -> int:
+    """Rank on this node (0 outside a job)."""
+    return (_env or DistEnv.from_environ()).local_rank
+
+
+def world_size() -> int:
+    """Number of processes (1 outside a job)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return DistEnv.from_environ().world_size
+
+
+def is_main() -> bool:
+    """True on global rank 0, the process that logs, shows progress and writes files."""
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """The device this process computes on (its GPU under NCCL, else the CPU)."""
+    if _device is not None:
+        return _device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def backend() -> str | None:
+    return dist.get_backend() if dist.is_initialized() else None

@@ -1,0 +1,62 @@
+"""`shoal.spawn`: run a function on N local processes through torch.distributed.elastic."""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from shoal.errors import UsageError
+from shoal.launch.summary import describe_exit, first_traceback
+
+
+class WorkerFailedError(RuntimeError):
+    """A spawned worker failed; the message names the rank, the cause and its traceback."""
+
+    def __init__(self, rank: int, cause: str, traceback: str | None):
+        self.rank = rank
+        self.cause = cause
+        self.traceback = traceback
+        detail = f"\n{traceback}" if traceback else ""
+        super().__init__(f"rank {rank} failed ({cause}){detail}")
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
+          max_restarts: int = 0) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` processes; return each rank's result, by rank.
+
+    Each process gets the launcher environment, so ``shoal.init()`` inside ``fn`` joins the
+    group. ``fn`` must be importable by name (defined at module top level).
+    """
+    if nprocs < 1:
+        raise UsageError(f"nprocs must be at least 1, got {nprocs}")
+    log_dir = tempfile.mkdtemp(prefix="shoal-spawn-")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"shoal-spawn-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        rdzv_configs={},
+        max_restarts=max_restarts,
+        monitor_interval=0.05,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        local_addr="127.0.0.1",
+    )
+    from shoal.launch.launcher import quiet_torch_logs
+
+    quiet_torch_logs()
+    try:
+        results = elastic_launch(config, fn)(*args)
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        raise WorkerFailedError(rank, describe_exit(failure.exitcode),
+                                first_traceback(failure, log_dir)) from None
+    return [results[r] for r in range(nprocs)]
