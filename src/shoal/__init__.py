@@ -23,9 +23,15 @@ from shoal.runtime.dist import (  # noqa: E402
 )
 from shoal.runtime.info import info  # noqa: E402
 from shoal.runtime.spawn import WorkerFailedError, spawn  # noqa: E402
+from shoal.training.config import TrainerConfig  # noqa: E402
+from shoal.training.harness import Harness, seed_everything  # noqa: E402
+from shoal.training.trainer import Trainer  # noqa: E402
 
 __all__ = [
     "DistEnv",
+    "Harness",
+    "Trainer",
+    "TrainerConfig",
     "WorkerFailedError",
     "all_gather",
     "all_gather_object",
@@ -41,6 +47,7 @@ __all__ = [
     "local_rank",
     "rank",
     "reduce_scatter",
+    "seed_everything",
     "spawn",
     "world_size",
 ]

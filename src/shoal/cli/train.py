@@ -1,7 +1,43 @@
-"""`shoal train`: placeholder replaced below."""
+"""`shoal train`: train from a YAML run config, on one or many processes."""
+
+from __future__ import annotations
 
 import argparse
 
+from shoal.cli.run import add_launch_arguments, spec_from_args
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    pass
+    parser = subparsers.add_parser(
+        "train",
+        help="train from a YAML run config",
+        description="Validate RUN.yaml, save the resolved config in the run directory, and "
+        "train on --nproc-per-node processes. Overrides: key.sub=value (e.g. trainer.epochs=5).",
+    )
+    parser.add_argument("--config", required=True, metavar="RUN.yaml", help="the run config")
+    add_launch_arguments(parser)
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="override config values; the value is read as YAML")
+    parser.set_defaults(handler=train_command)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    from shoal.config.loader import load_run_config, save_run_config
+
+    config = load_run_config(args.config, args.overrides)
+    if args.nproc_per_node is not None:
+        config.run.nproc_per_node = args.nproc_per_node  # validated again by spec_from_args
+    spec = spec_from_args(args, "shoal.training.entry", [], module=True,
+                          nproc_default=config.run.nproc_per_node)
+    config.run.nproc_per_node = spec.nproc_per_node
+    resolved = save_run_config(config) if args.node_rank == 0 else None
+    if spec.world_size == 1:
+        from shoal.training.entry import train_from_config
+
+        train_from_config(config)
+        return 0
+    from shoal.launch import launch
+
+    spec.args = ["--config", str(resolved or args.config), *(
+        [] if resolved else args.overrides)]
+    return launch(spec)

@@ -1,0 +1,1 @@
+"""Validated configuration: the Trainer's settings and the `shoal train` YAML schema."""

@@ -1,0 +1,108 @@
+"""Read a run config: YAML, then `key.sub=value` overrides, then schema and builder checks."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from shoal.config.errors import usage_error
+from shoal.config.schema import BuilderConfig, RunConfig
+from shoal.errors import UsageError
+
+# Builders called with a leading positional argument that the config does not give.
+_LEADING_ARG = {"optimizer": "params", "lr_scheduler": "optimizer"}
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict; the value is read as YAML (1e-3, true, [1, 2])."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise UsageError(f"override {assignment!r} must look like key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError:
+        value = raw
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UsageError(f"override {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def import_builder(path: str, where: str) -> Any:
+    """The object behind 'package.module:attr', or a UsageError naming the config key."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"{where}: cannot import {path!r} ({exc})") from None
+    target: Any = module
+    for name in attr.split("."):
+        if not hasattr(target, name):
+            raise UsageError(f"{where}: {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, name)
+    if not callable(target):
+        raise UsageError(f"{where}: {path!r} is not callable")
+    return target
+
+
+def _check_builder(section: str, spec: BuilderConfig) -> None:
+    fn = import_builder(spec.builder, f"{section}.builder")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: checked when called
+    leading = [object()] if section in _LEADING_ARG else []
+    try:
+        signature.bind(*leading, **spec.args)
+    except TypeError as exc:
+        raise UsageError(f"{section}.args: {exc} (builder {spec.builder})") from None
+
+
+def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
+    """Load, override and validate a run config; every problem is a one-line UsageError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(tree, dict):
+        raise UsageError(f"{path} must hold a mapping of sections (model, data, ...)")
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    try:
+        config = RunConfig(**tree)
+    except ValidationError as exc:
+        raise usage_error(exc) from None
+    for section in ("model", "data", "optimizer", "lr_scheduler", "loss"):
+        spec = getattr(config, section)
+        if spec is not None:
+            _check_builder(section, spec)
+    if config.run.dir is None:
+        config.run.dir = str(Path("runs") / path.stem)
+    return config
+
+
+def save_run_config(config: RunConfig) -> Path:
+    """Write the resolved config into the run directory; returns its path."""
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / "config.yaml"
+    target.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return target
+
+
+def build(spec: BuilderConfig, *leading: Any) -> Any:
+    """Call the builder named in ``spec`` with its args."""
+    return import_builder(spec.builder, "builder")(*leading, **spec.args)

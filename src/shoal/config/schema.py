@@ -1,0 +1,60 @@
+"""The schema of a `shoal train` run config (YAML), validated before any process starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shoal.training.config import TrainerConfig
+
+
+class BuilderConfig(BaseModel):
+    """A function named by import path, called with ``args`` to build an object."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    builder: str
+    """Import path 'package.module:function' (a class works too, e.g. 'torch.optim:AdamW')."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the builder."""
+
+    @field_validator("builder")
+    @classmethod
+    def _import_path(cls, value: str) -> str:
+        module, sep, attr = value.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError("must look like 'package.module:function'")
+        return value
+
+
+class RunSection(BaseModel):
+    """Where the run writes and how many processes it uses."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    dir: str | None = None
+    """Run directory (resolved config, final metrics); default runs/<config name>."""
+    nproc_per_node: int = Field(1, gt=0)
+    """Worker processes on this node (the --nproc-per-node flag overrides it)."""
+
+
+class RunConfig(BaseModel):
+    """A whole training run: what to build and how to train it."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: BuilderConfig
+    """Builds the nn.Module."""
+    data: BuilderConfig
+    """Returns (train, val) datasets or loaders, or just train."""
+    optimizer: BuilderConfig
+    """Called as builder(model.parameters(), **args)."""
+    lr_scheduler: BuilderConfig | None = None
+    """Called as builder(optimizer, **args); stepped after each optimizer step."""
+    loss: BuilderConfig | None = None
+    """Returns loss_fn(outputs, targets); default cross-entropy."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Trainer settings (see shoal.TrainerConfig)."""
+    run: RunSection = Field(default_factory=RunSection)
+    """Run directory and process count."""

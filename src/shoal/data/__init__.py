@@ -1,0 +1,1 @@
+"""Data: sharding samples across ranks, and the bundled example datasets."""

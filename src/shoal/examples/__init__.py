@@ -1,0 +1,1 @@
+"""Ready-made builders for the example configs (importable as shoal.examples.*)."""

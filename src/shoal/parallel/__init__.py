@@ -1,0 +1,1 @@
+"""Parallel strategies, one module each with an ``apply_...`` function."""

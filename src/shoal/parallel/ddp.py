@@ -1,0 +1,38 @@
+"""Data parallel: replicate the model, all-reduce gradients (torch DistributedDataParallel)."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class DDPConfig(BaseModel):
+    """Options passed to torch's DistributedDataParallel."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    bucket_cap_mb: float = Field(25.0, gt=0)
+    """Gradients are all-reduced in buckets of about this many megabytes."""
+    find_unused_parameters: bool = False
+    """Allow parameters that get no gradient in some steps (costs a graph walk per step)."""
+    static_graph: bool = False
+    """Promise the same graph every step, enabling DDP's static-graph optimizations."""
+    gradient_as_bucket_view: bool = False
+    """Let gradients alias the communication buckets to save one copy of the gradients."""
+
+
+def apply_ddp(model: nn.Module, device: torch.device, config: DDPConfig | None = None
+              ) -> DistributedDataParallel:
+    """Wrap ``model`` (already on ``device``) in DistributedDataParallel."""
+    config = config or DDPConfig()
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=config.bucket_cap_mb,
+        find_unused_parameters=config.find_unused_parameters,
+        static_graph=config.static_graph,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+    )

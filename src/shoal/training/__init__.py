@@ -1,0 +1,1 @@
+"""Training: precision, the piecewise Harness, and the Trainer built on it."""

@@ -1,0 +1,56 @@
+"""TrainerConfig: every Trainer setting, validated once."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from shoal.config.errors import usage_error
+from shoal.parallel.ddp import DDPConfig
+
+Precision = Literal["32", "bf16-mixed", "fp16-mixed"]
+
+
+class TrainerConfig(BaseModel):
+    """Settings of ``shoal.Trainer`` and the ``trainer:`` section of a run config."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    strategy: Literal["ddp"] = "ddp"
+    """How the model is spread over processes: 'ddp' replicates it and all-reduces gradients."""
+    ddp: DDPConfig = Field(default_factory=DDPConfig)
+    """Settings of the 'ddp' strategy."""
+    precision: Precision = "32"
+    """'32' (full), 'bf16-mixed' (bf16 autocast), 'fp16-mixed' (fp16 autocast + grad scaler)."""
+    batch_size: int = Field(32, gt=0)
+    """Samples per process per micro-batch; the global batch is batch_size x world size x K."""
+    accumulate_grad_batches: int = Field(1, gt=0)
+    """K: micro-batches per optimizer step; gradients are all-reduced only on the last."""
+    clip_grad_norm: float | None = Field(None, gt=0)
+    """Clip the global gradient norm to this value before each optimizer step."""
+    epochs: int | None = Field(None, gt=0)
+    """Passes over the training data (default 1 when max_steps is not set either)."""
+    max_steps: int | None = Field(None, gt=0)
+    """Stop after this many optimizer steps."""
+    seed: int = 0
+    """Seed of the data order (same on every rank) and of each rank's RNGs (seed + rank)."""
+    num_workers: int = Field(0, ge=0)
+    """DataLoader worker processes per rank, for datasets the Trainer wraps."""
+    progress: bool = True
+    """Show a progress bar (rank 0 only)."""
+    backend: Literal["gloo", "nccl"] | None = None
+    """Process-group backend; default NCCL with CUDA, else gloo."""
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_as_text(cls, value: object) -> object:
+        return str(value) if isinstance(value, int) else value
+
+    @classmethod
+    def build(cls, **settings: object) -> TrainerConfig:
+        """Validate keyword settings; a bad one raises a UsageError naming it."""
+        try:
+            return cls(**settings)
+        except ValidationError as exc:
+            raise usage_error(exc, "trainer") from None

@@ -1,0 +1,48 @@
+"""Worker entry of `shoal train`: build everything from a resolved config and fit.
+
+Run by the launcher as ``python -m shoal.training.entry --config RUN_DIR/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from shoal.config.loader import build, load_run_config
+from shoal.config.schema import RunConfig
+
+
+def train_from_config(config: RunConfig) -> dict[str, float]:
+    """Build model, data, optimizer (and scheduler, loss) from ``config`` and train."""
+    from shoal.runtime import dist as rt
+    from shoal.training.trainer import Trainer
+
+    rt.init(config.trainer.backend)
+    model = build(config.model)
+    data = build(config.data)
+    train_data, val_data = data if isinstance(data, tuple) else (data, None)
+    optimizer = build(config.optimizer, model.parameters())
+    scheduler = build(config.lr_scheduler, optimizer) if config.lr_scheduler else None
+    loss_fn = build(config.loss) if config.loss else None
+    trainer = Trainer(model, optimizer, loss_fn=loss_fn, lr_scheduler=scheduler,
+                      **config.trainer.model_dump())
+    metrics = trainer.fit(train_data, val_data)
+    if rt.is_main():
+        path = Path(config.run.dir) / "metrics.json"
+        path.write_text(json.dumps(metrics, indent=2))
+        shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in metrics.items())
+        print(f"done: {shown}\nrun directory: {config.run.dir}", flush=True)
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="shoal.training.entry")
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args()
+    train_from_config(load_run_config(args.config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The piecewise API: the Trainer's machinery for users who keep their own loop.
+
+    harness = shoal.Harness(precision="bf16-mixed")
+    model, optimizer = harness.setup(model, optimizer)
+    loader = harness.setup_dataloader(dataset, batch_size=32)
+    for batch in loader:
+        with harness.no_sync(model, enabled=not last_micro_batch):
+            with harness.autocast():
+                loss = loss_fn(model(x), y)
+            harness.backward(loss)
+        harness.step(optimizer, clip_grad_norm=1.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from shoal.data.sharding import shard_dataloader
+from shoal.parallel.ddp import DDPConfig, apply_ddp
+from shoal.runtime import dist as rt
+from shoal.training.precision import Precision
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch RNGs of this process."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) tuple, list or dict to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: move_to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class Harness:
+    """Wraps model, optimizer and data for the chosen strategy and precision."""
+
+    def __init__(self, strategy: str = "ddp", precision: str = "32", *,
+                 backend: str | None = None, ddp: DDPConfig | None = None, seed: int = 0):
+        from shoal.training.config import TrainerConfig
+
+        # Validate through the same schema as the Trainer, so both reject the same inputs.
+        config = TrainerConfig.build(strategy=strategy, precision=precision, backend=backend,
+                                     ddp=ddp or DDPConfig(), seed=seed)
+        self.config = config
+        self.env = rt.init(config.backend)
+        self.device = rt.device()
+        self.precision = Precision(config.precision, self.device)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Move ``model`` to this rank's device and wrap it for the strategy.
+
+        DDP broadcasts rank 0's parameters, so every rank starts from the same weights.
+        ``Module.to`` keeps the same Parameter objects, so ``optimizer`` stays valid.
+        """
+        model = model.to(self.device)
+        model = apply_ddp(model, self.device, self.config.ddp)
+        return model, optimizer
+
+    def setup_dataloader(self, data: Dataset | DataLoader, batch_size: int = 32, *,
+                         shuffle: bool = True, evaluation: bool = False,
+                         num_workers: int = 0) -> DataLoader:
+        """A loader over this rank's share of ``data`` (see ``shard_dataloader``)."""
+        return shard_dataloader(data, world_size=self.world_size, rank=self.rank,
+                                batch_size=batch_size, shuffle=shuffle and not evaluation,
+                                seed=self.config.seed, evaluation=evaluation,
+                                num_workers=num_workers)
+
+    def to_device(self, batch: Any) -> Any:
+        return move_to_device(batch, self.device)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Run the forward pass in the configured precision."""
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward pass, with loss scaling under fp16."""
+        self.precision.backward(loss)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
+        """Skip the gradient all-reduce for backward passes inside (accumulation micro-batches).
+
+        Gradients accumulate locally; the next backward outside the block all-reduces them all.
+        """
+        if enabled and isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            yield
+
+    def step(self, optimizer: torch.optim.Optimizer, *, model: nn.Module | None = None,
+             clip_grad_norm: float | None = None) -> None:
+        """Optimizer step (unscale, optional clipping, skip on fp16 overflow), then zero_grad."""
+        if clip_grad_norm is not None:
+            self.precision.unscale(optimizer)
+            params = model.parameters() if model is not None else (
+                p for group in optimizer.param_groups for p in group["params"])
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        self.precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
