@@ -6,6 +6,7 @@ import glob
 import os
 import re
 import signal
+from dataclasses import dataclass
 
 from rich.console import Console
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -67,21 +68,72 @@ def first_traceback(failure: ProcessFailure, log_dir: str) -> str | None:
     return strip_launcher_frames(text[start:]) if start >= 0 else None
 
 
+# Errors a rank raises because another rank died: never the root cause while a rank with an
+# error of its own exists.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote worker",
+              "Broken pipe", "NCCL communicator was aborted")
+
+
+_SOURCE_PATH = re.compile(r"\[/[^\]]*\] ")
+
+
+@dataclass(frozen=True)
+class Cause:
+    """How one rank ended, as the summary tells it."""
+
+    text: str
+    exit_code: int
+    own: bool
+    """False when the rank only failed because another did (lost peer, stopped by shoal)."""
+
+
+def _recorded_message(failure: ProcessFailure) -> str:
+    """The error the worker itself wrote to its error file ('' when it wrote none)."""
+    data = failure.error_file_data
+    message = data.get("message", "") if isinstance(data, dict) else ""
+    if isinstance(message, dict):  # {"message": ..., "extraInfo": {"py_callstack": ...}}
+        message = message.get("message", "")
+    message = str(message or "")
+    return "" if message == "<NONE>" else message  # torch's filler when there is no file
+
+
+def classify(failure: ProcessFailure) -> Cause:
+    """Why a rank ended: its own recorded error first, then its exit status."""
+    message = _recorded_message(failure)
+    if message.startswith("SystemExit: "):
+        code = message.removeprefix("SystemExit: ")
+        code = int(code) if code.lstrip("-").isdigit() else 1
+        return Cause(f"exit code {code}", code or 1, own=True)
+    if message and any(marker in message for marker in _PEER_LOST):
+        first = _SOURCE_PATH.sub("", message.splitlines()[0])[:160]
+        return Cause(f"lost its connection to a failed rank: {first}", 1, own=False)
+    if message:
+        return Cause(f"raised {message.splitlines()[0][:200]}", 1, own=True)
+    if failure.exitcode == -signal.SIGTERM:
+        return Cause("killed by SIGTERM (stopped by shoal after the first failure)",
+                     launcher_exit_code(failure.exitcode), own=False)
+    return Cause(describe_exit(failure.exitcode), launcher_exit_code(failure.exitcode), True)
+
+
+def root_cause(failed: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The failure that started it: an own error before a collateral one, then the earliest."""
+    return min(failed.failures.items(),
+               key=lambda item: (not classify(item[1]).own, item[1].timestamp, item[0]))
+
+
 def report_failure(failed: ChildFailedError, log_dir: str, console: Console | None = None) -> int:
     """Print the summary of a failed job to stderr and return the launcher's exit code."""
     console = console or Console(stderr=True, highlight=False)
-    root_rank, root = failed.get_first_failure()
-    console.print(
-        f"[bold red]shoal: rank {root_rank} failed first[/] ({describe_exit(root.exitcode)}, "
-        f"local rank {root.local_rank}, pid {root.pid})"
-    )
+    root_rank, root = root_cause(failed)
+    cause = classify(root)
+    console.print(f"[bold red]shoal: rank {root_rank} failed first[/] ({cause.text}; "
+                  f"local rank {root.local_rank}, pid {root.pid})", markup=True, soft_wrap=True)
     for rank in sorted(r for r in failed.failures if r != root_rank):
-        other = failed.failures[rank]
-        note = " (stopped by shoal after the first failure)" if other.exitcode == -15 else ""
-        console.print(f"  rank {rank}: {describe_exit(other.exitcode)}{note}")
+        console.print(f"  rank {rank}: {classify(failed.failures[rank]).text}",
+                      markup=False, soft_wrap=True)
     trace = first_traceback(root, log_dir)
     if trace:
         console.print(f"Traceback of rank {root_rank}:", style="bold")
         console.print(trace, markup=False, soft_wrap=True)
-    console.print(f"Per-rank logs: {log_dir}")
-    return launcher_exit_code(root.exitcode)
+    console.print(f"Per-rank logs: {log_dir}", markup=False, soft_wrap=True)
+    return cause.exit_code

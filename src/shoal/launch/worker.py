@@ -56,12 +56,16 @@ def _run(argv: list[str]) -> None:
 
 def main() -> None:
     _die_with_launcher()
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
     try:
         # record() writes the error file that the launcher's failure summary reads.
         record(_run)(sys.argv[1:])
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            # Recorded so the launcher knows this rank chose to exit, even if it is stopped
+            # while still shutting down (its exit code would then read as SIGTERM).
+            ErrorHandler().record_exception(exc)
         raise
     except BaseException as exc:
         # Printed here rather than by sys.excepthook: torch's hook would add a second rank

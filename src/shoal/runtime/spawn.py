@@ -12,7 +12,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shoal.errors import UsageError
-from shoal.launch.summary import describe_exit, first_traceback
+from shoal.launch.summary import classify, first_traceback, root_cause
 
 
 class WorkerFailedError(RuntimeError):
@@ -56,7 +56,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
     try:
         results = elastic_launch(config, fn)(*args)
     except ChildFailedError as failed:
-        rank, failure = failed.get_first_failure()
-        raise WorkerFailedError(rank, describe_exit(failure.exitcode),
+        rank, failure = root_cause(failed)
+        raise WorkerFailedError(rank, classify(failure).text,
                                 first_traceback(failure, log_dir)) from None
     return [results[r] for r in range(nprocs)]

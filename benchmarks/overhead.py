@@ -1,0 +1,155 @@
+"""Overhead of shoal's Trainer over a hand-written DistributedDataParallel loop.
+
+Inside one job of ``--nproc`` processes (gloo on CPU) it alternates runs of a raw DDP loop and
+of ``shoal.Trainer.fit``, ``--repeats`` times each (which one goes first alternates too). Every
+run starts from the same seeded MLP (``shoal.examples.digits``) and AdamW optimizer and trains
+``--steps`` steps on the digits data with the Trainer's own math: DistributedSampler (shuffle,
+seed, set_epoch), ``--batch-size`` per rank, cross-entropy, ``optimizer.step()``,
+``zero_grad(set_to_none=True)``, and the Trainer's DDP arguments. (shoal passes
+``bucket_cap_mb=25`` explicitly, which turns off torch's small 1 MiB first bucket;
+``--raw-default-buckets`` gives the raw loop torch's defaults: two all-reduces a step, not one.)
+The timed span is the whole loop between two barriers, DataLoader construction included on both
+sides and model, optimizer and DDP construction excluded on both. It prints the median step
+times, the median of the per-repeat ratios Trainer/raw (target <= 1.02), and whether every run
+ended with bit-identical weights and optimizer state. A measurement, not a test: exits 0.
+
+    python benchmarks/overhead.py [--nproc 2] [--repeats 7] [--steps 80] [--hidden 512]
+                                  [--batch-size 64] [--raw-default-buckets]
+"""
+
+# ruff: noqa: E402
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 processes on 2 cores: no oversubscription
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+import shoal
+from shoal.examples.digits import build_data, build_model
+from shoal.parallel.ddp import DDPConfig
+
+SEED = 0
+
+
+def fresh(hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_model(hidden=hidden, seed=SEED)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def run_raw(data, steps: int, hidden: int, batch_size: int, default_buckets: bool):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer = fresh(hidden)
+    shoal.seed_everything(SEED + rank)  # as Trainer.__init__ does, after the model is built
+    # Same arguments as shoal.parallel.ddp.apply_ddp; the others equal torch's defaults.
+    buckets = {} if default_buckets else {"bucket_cap_mb": DDPConfig().bucket_cap_mb}
+    ddp = DistributedDataParallel(model, **buckets)
+    dist.barrier()
+    start = time.perf_counter()
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
+    loader = DataLoader(data, batch_size=batch_size, sampler=sampler)
+    ddp.train()
+    step = epoch = 0
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            loss = F.cross_entropy(ddp(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step >= steps:
+                break
+        epoch += 1
+    dist.barrier()
+    return time.perf_counter() - start, model, optimizer
+
+
+def run_trainer(data, steps: int, hidden: int, batch_size: int, _default_buckets: bool):
+    model, optimizer = fresh(hidden)
+    trainer = shoal.Trainer(model, optimizer, batch_size=batch_size, seed=SEED, progress=False)
+    dist.barrier()
+    start = time.perf_counter()
+    trainer.fit(data, max_steps=steps)
+    dist.barrier()
+    return time.perf_counter() - start, trainer.module, optimizer
+
+
+def differences(a, b) -> list[str]:
+    """Names of the weights and optimizer-state tensors that are not bitwise equal."""
+    (model_a, opt_a), (model_b, opt_b) = a, b
+    weights_b = model_b.state_dict()
+    diff = [k for k, v in model_a.state_dict().items() if not torch.equal(v, weights_b[k])]
+    state_a, state_b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    for i, entry in state_a.items():
+        for k, v in entry.items():
+            other = state_b[i][k]
+            if not (torch.equal(v, other) if torch.is_tensor(v) else v == other):
+                diff.append(f"optimizer.state[{i}][{k!r}]")
+    return diff
+
+
+def worker(repeats: int, steps: int, hidden: int, batch_size: int, default_buckets: bool) -> dict:
+    shoal.init()
+    data, _ = build_data()
+    runners = {"raw": run_raw, "trainer": run_trainer}
+    for name in runners:  # warm-up pair, untimed: first-use costs land here
+        runners[name](data, steps, hidden, batch_size, default_buckets)
+    times: dict[str, list[float]] = {"raw": [], "trainer": []}
+    reference, diffs = None, set()
+    for r in range(repeats):
+        for name in (("raw", "trainer") if r % 2 == 0 else ("trainer", "raw")):
+            gc.collect()  # the previous run's garbage is not collected inside this one's timing
+            elapsed, model, optimizer = runners[name](data, steps, hidden, batch_size,
+                                                      default_buckets)
+            times[name].append(elapsed)
+            if reference is None:
+                reference = (model, optimizer)
+            else:
+                diffs.update(f"{name}: {d}" for d in differences(reference, (model, optimizer)))
+    shoal.cleanup()
+    return {"times": times, "diffs": sorted(diffs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--raw-default-buckets", action="store_true",
+                        help="build the raw loop's DDP with torch's default buckets")
+    args = parser.parse_args()
+    results = shoal.spawn(worker, nprocs=args.nproc,
+                          args=(args.repeats, args.steps, args.hidden, args.batch_size,
+                                args.raw_default_buckets))
+    # A run lasts as long as its slowest rank (the closing barrier makes them nearly equal).
+    per_run = {name: [max(res["times"][name][i] for res in results) / args.steps
+                      for i in range(args.repeats)] for name in ("raw", "trainer")}
+    ratios = [t / r for t, r in zip(per_run["trainer"], per_run["raw"], strict=True)]
+    diffs = sorted({d for res in results for d in res["diffs"]})
+    print(f"overhead: Trainer vs raw DDP, {args.nproc} processes, {args.repeats} interleaved "
+          f"repeats x {args.steps} steps (hidden {args.hidden}, batch {args.batch_size}/rank)")
+    for label, name in (("raw DDP step ", "raw"), ("shoal Trainer", "trainer")):
+        print(f"{label}  : {statistics.median(per_run[name]) * 1e3:.3f} ms (median), "
+              f"{min(per_run[name]) * 1e3:.3f} ms (best run)")
+    print("per-repeat ratios: " + " ".join(f"{x:.3f}" for x in ratios))
+    print(f"ratio (median of per-repeat ratios): {statistics.median(ratios):.3f}"
+          "  (target <= 1.02)")
+    print(f"final weights bit-identical: {'no' if diffs else 'yes'}"
+          " (weights and AdamW state, all runs, all ranks)")
+    for d in diffs:
+        print(f"  differs: {d}")
+
+
+if __name__ == "__main__":
+    main()

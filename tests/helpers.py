@@ -1,0 +1,43 @@
+"""Helpers for tests: run the CLI, compare tensors, find leftover processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_shoal(*args: str, cwd: str | None = None, timeout: float = 120,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m shoal ARGS`` and capture its output."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "shoal", *args], cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def processes_with(marker: str) -> list[psutil.Process]:
+    """Live processes whose command line contains ``marker`` (zombies excluded)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(
+                    marker in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest over tensors of max|a-b| / max|b|."""
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for key in a:
+        scale = b[key].abs().max().clamp(min=1e-12)
+        worst = max(worst, ((a[key] - b[key]).abs().max() / scale).item())
+    return worst

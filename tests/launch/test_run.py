@@ -1,0 +1,119 @@
+"""`shoal run` end to end: environment, module entry, logs, and failures by injection."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from tests.helpers import REPO, processes_with, run_shoal
+
+PLAIN_SCRIPT = textwrap.dedent("""
+    # A torchrun-style script: no shoal import, reads the environment itself.
+    import os, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "GROUP_RANK"]
+    print("env", *[os.environ[k] for k in keys], "sum", t.item(), "args", *sys.argv[1:])
+    mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+    if dist.get_rank() == 1:
+        if mode == "raise":
+            raise ValueError("injected failure on rank 1")
+        if mode == "exit3":
+            sys.exit(3)
+        if mode == "kill":
+            os.kill(os.getpid(), 9)
+    if mode != "ok":
+        dist.barrier()   # rank 0 waits in a collective that rank 1 never joins
+        time.sleep(600)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.fixture
+def script(tmp_path):
+    # A unique name lets the test find any process of this job in the process table.
+    path = tmp_path / f"job_{uuid.uuid4().hex[:10]}.py"
+    path.write_text(PLAIN_SCRIPT)
+    return path
+
+
+def test_torchrun_style_script_runs_unmodified(script):
+    out = run_shoal("run", "--nproc-per-node", "2", str(script), "ok", "--flag-for-script")
+    assert out.returncode == 0, out.stderr
+    lines = sorted(line for line in out.stdout.splitlines() if " env " in line)
+    assert len(lines) == 2
+    for rank, line in enumerate(lines):
+        prefix, fields = line.split(" env ")
+        assert prefix == f"[rank{rank}]:"
+        r, local, world, local_world, addr, port, group = fields.split()[:7]
+        assert (r, local, world, local_world, group) == (str(rank), str(rank), "2", "2", "0")
+        assert addr == "127.0.0.1" and int(port) > 0
+        assert fields.endswith("sum 3.0 args ok --flag-for-script")
+
+
+def test_module_entry_and_log_dir(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(PLAIN_SCRIPT)
+    logs = tmp_path / "logs"
+    out = run_shoal("run", "--nproc-per-node", "2", "--log-dir", str(logs), "-m",
+                    "mypkg.train", cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        found = [os.path.join(d, "stdout.log") for d, _, files in os.walk(logs)
+                 if "stdout.log" in files and os.path.basename(d) == str(rank)]
+        assert len(found) == 1
+        assert f"env {rank} {rank} 2" in open(found[0]).read()
+
+
+def test_two_jobs_at_once_pick_their_own_ports(script):
+    cmd = [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", str(script)]
+    jobs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    for job in jobs:
+        _, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err
+
+
+@pytest.mark.parametrize("mode, cause, code", [
+    ("raise", "raised ValueError: injected failure on rank 1", 1),
+    ("exit3", "exit code 3", 3),
+    ("kill", "killed by SIGKILL", 128 + 9),
+])
+def test_failed_worker_is_named_and_nothing_is_left(script, mode, cause, code):
+    out = run_shoal("run", "--nproc-per-node", "2", str(script), mode)
+    assert out.returncode == code, out.stderr
+    assert f"shoal: rank 1 failed first ({cause}" in out.stderr
+    if mode == "raise":
+        assert "Traceback of rank 1:" in out.stderr
+        assert "ValueError: injected failure on rank 1" in out.stderr
+        assert "shoal/launch/worker.py" not in out.stderr.split("Traceback of rank 1:")[1]
+    assert processes_with(script.name) == []
+
+
+def test_killing_the_launcher_leaves_no_worker(script):
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", str(script), "raise"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 60
+    while len(processes_with(script.name)) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(processes_with(script.name)) >= 3, "workers never started"
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=10)
+    deadline = time.time() + 15
+    while processes_with(script.name) and time.time() < deadline:
+        time.sleep(0.2)
+    assert processes_with(script.name) == []
