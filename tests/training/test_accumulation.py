@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import shoal
 from tests.helpers import max_rel_diff
-from tests.training.reference import SEED, make_dataset, make_model, make_optimizer, \
-    reference_weights
+from tests.training.reference import (
+    SEED,
+    make_dataset,
+    make_model,
+    make_optimizer,
+    reference_weights,
+)
 
 WORLD, BATCH, K, STEPS = 2, 4, 3, 12  # 30 micro-batches a rank per epoch: crosses one epoch
 TOLERANCE = 1e-5

@@ -8,8 +8,13 @@ import torch.nn.functional as F
 
 import shoal
 from tests.helpers import max_rel_diff
-from tests.training.reference import SEED, make_dataset, make_model, make_optimizer, \
-    reference_weights
+from tests.training.reference import (
+    SEED,
+    make_dataset,
+    make_model,
+    make_optimizer,
+    reference_weights,
+)
 
 BATCH = 8
 STEPS = 12  # at W=3 this crosses an epoch boundary (10 steps per epoch)

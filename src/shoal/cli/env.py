@@ -6,7 +6,7 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("env", help="print versions, devices and network for a bug report")
+    parser = subparsers.add_parser("env", help="versions, devices and network for bug reports")
     parser.set_defaults(handler=env_command)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,22 @@ from pydantic import ValidationError
 from shoal.config.errors import usage_error
 from shoal.config.schema import BuilderConfig, RunConfig
 from shoal.errors import UsageError
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads 1e-3 (no dot) as a string; learning rates are written that way."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> object:
+    return yaml.load(text, Loader=_Loader)
+
 
 # Builders called with a leading positional argument that the config does not give.
 _LEADING_ARG = {"optimizer": "params", "lr_scheduler": "optimizer"}
@@ -25,7 +42,7 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     if not sep or not key:
         raise UsageError(f"override {assignment!r} must look like key.sub=value")
     try:
-        value = yaml.safe_load(raw) if raw else None
+        value = read_yaml(raw) if raw else None
     except yaml.YAMLError:
         value = raw
     node = tree
@@ -74,7 +91,7 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
     if not path.is_file():
         raise UsageError(f"config file not found: {path}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = read_yaml(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise UsageError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(tree, dict):

@@ -78,14 +78,16 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
 def agreed_length(loader: DataLoader, device: torch.device) -> int | None:
     """The number of batches every rank will run this epoch, or None for an unsized loader.
 
-    One all-reduce per epoch: the smallest length over ranks, so a rank with an extra batch
-    cannot leave the others waiting in a collective forever.
+    DistributedSampler gives every rank the same length by construction; for any other
+    loader, one all-reduce per epoch takes the smallest length over ranks, so a rank with an
+    extra batch cannot leave the others waiting in a collective forever.
     """
     try:
         length = len(loader)
     except TypeError:
         return None
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if (not dist.is_initialized() or dist.get_world_size() == 1
+            or isinstance(loader.sampler, DistributedSampler)):
         return length
     count = torch.tensor([length], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MIN)

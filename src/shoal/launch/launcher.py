@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -90,5 +91,7 @@ def launch(spec: LaunchSpec) -> int:
     try:
         elastic_launch(config, sys.executable)(*_worker_argv(spec))
     except ChildFailedError as failed:
-        return report_failure(failed, log_dir)
+        return report_failure(failed, log_dir)  # keeps the logs the summary points to
+    if spec.log_dir is None:
+        shutil.rmtree(log_dir, ignore_errors=True)  # output was shown; nothing to keep
     return 0

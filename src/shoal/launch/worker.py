@@ -8,6 +8,7 @@ file torch.distributed.elastic gives each worker, so the launcher can report it 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import runpy
 import signal
@@ -41,17 +42,31 @@ def _die_with_launcher() -> None:
         os._exit(1)  # the launcher died before prctl took effect
 
 
-def _run(argv: list[str]) -> None:
+def _run(argv: list[str]) -> dict:
+    """Run the script or module as __main__; return its global namespace."""
     if argv and argv[0] == "-m":
         module, args = argv[1], argv[2:]
         sys.argv = [module, *args]
         sys.path.insert(0, os.getcwd())
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    else:
-        script, args = argv[0], argv[1:]
-        sys.argv = [script, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
-        runpy.run_path(script, run_name="__main__")
+        return runpy.run_module(module, run_name="__main__", alter_sys=True)
+    script, args = argv[0], argv[1:]
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    return runpy.run_path(script, run_name="__main__")
+
+
+def _shut_down(namespace: dict) -> None:
+    """Free the script's objects, then its process group, while the interpreter is whole.
+
+    A DDP model left in the script's globals keeps gloo's threads and buffers alive until
+    interpreter finalization, where tearing them down aborts the process now and then
+    ("terminate called without an active exception"): a finished job would read as failed.
+    """
+    namespace.clear()
+    gc.collect()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main() -> None:
@@ -60,7 +75,7 @@ def main() -> None:
 
     try:
         # record() writes the error file that the launcher's failure summary reads.
-        record(_run)(sys.argv[1:])
+        _shut_down(record(_run)(sys.argv[1:]))
     except SystemExit as exc:
         if exc.code not in (0, None):
             # Recorded so the launcher knows this rank chose to exit, even if it is stopped

@@ -13,8 +13,9 @@ class DDPConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    bucket_cap_mb: float = Field(25.0, gt=0)
-    """Gradients are all-reduced in buckets of about this many megabytes."""
+    bucket_cap_mb: float | None = Field(None, gt=0)
+    """Gradients are all-reduced in buckets of about this many megabytes (torch's default,
+    25 with a small first bucket, when not set)."""
     find_unused_parameters: bool = False
     """Allow parameters that get no gradient in some steps (costs a graph walk per step)."""
     static_graph: bool = False
@@ -28,10 +29,12 @@ def apply_ddp(model: nn.Module, device: torch.device, config: DDPConfig | None =
     """Wrap ``model`` (already on ``device``) in DistributedDataParallel."""
     config = config or DDPConfig()
     device_ids = [device.index] if device.type == "cuda" else None
+    # Passing bucket_cap_mb at all turns off DDP's small first bucket: only pass it when set.
+    buckets = {} if config.bucket_cap_mb is None else {"bucket_cap_mb": config.bucket_cap_mb}
     return DistributedDataParallel(
         model,
         device_ids=device_ids,
-        bucket_cap_mb=config.bucket_cap_mb,
+        **buckets,
         find_unused_parameters=config.find_unused_parameters,
         static_graph=config.static_graph,
         gradient_as_bucket_view=config.gradient_as_bucket_view,

@@ -7,6 +7,7 @@ The launcher's environment (RANK, WORLD_SIZE, ...) is read once, in ``init``, in
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistEnv:
             # No launcher: a group of one, so collectives and DDP work the same way.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     **kwargs)
+        # Destroying the group before exit avoids an abort in gloo's teardown.
+        atexit.register(cleanup)
     _env = env
     return env
 

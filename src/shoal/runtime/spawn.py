@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -59,4 +60,6 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
         rank, failure = root_cause(failed)
         raise WorkerFailedError(rank, classify(failure).text,
                                 first_traceback(failure, log_dir)) from None
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)  # the error, if any, is in the exception
     return [results[r] for r in range(nprocs)]

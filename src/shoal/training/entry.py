@@ -41,7 +41,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="shoal.training.entry")
     parser.add_argument("--config", required=True)
     args = parser.parse_args()
+    from shoal.runtime import dist as rt
+
     train_from_config(load_run_config(args.config))
+    # The Trainer (and its DDP wrapper) is gone by now; the group can go safely.
+    rt.cleanup()
 
 
 if __name__ == "__main__":

@@ -14,12 +14,14 @@ def _fmt_eta(seconds: float) -> str:
 class Progress:
     """Shows step, loss and samples/s. Disabled: every method does nothing."""
 
-    def __init__(self, total_steps: int | None, enabled: bool, line_interval: float = 2.0):
+    def __init__(self, total_steps: int | None, enabled: bool, line_interval: float = 2.0,
+                 live_interval: float = 0.2):
         self.enabled = enabled
         self.total = total_steps
-        self.line_interval = line_interval
+        # Each refresh reads the loss, which waits for the GPU: refresh on a clock, not a step.
+        self.interval = live_interval if enabled and sys.stdout.isatty() else line_interval
         self._live = None
-        self._last_line = 0.0
+        self._last_update = 0.0
         if enabled and sys.stdout.isatty():
             from rich.progress import (
                 BarColumn,
@@ -41,18 +43,16 @@ class Progress:
         """True when a refresh is due; lets the caller skip reading the loss otherwise."""
         if not self.enabled:
             return False
-        if self._live is not None:
-            return True
-        return time.perf_counter() - self._last_line >= self.line_interval
+        return time.perf_counter() - self._last_update >= self.interval
 
     def update(self, step: int, epoch: int, loss: float, samples_per_s: float) -> None:
         if not self.enabled:
             return
         stats = f"epoch {epoch} · loss {loss:.4f} · {samples_per_s:,.0f} samples/s"
+        self._last_update = time.perf_counter()
         if self._live is not None:
             self._live.update(self._task, completed=step, stats=stats)
             return
-        self._last_line = time.perf_counter()
         print(self._line(step, stats), flush=True)
 
     def _line(self, step: int, stats: str) -> str:

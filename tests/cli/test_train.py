@@ -1,0 +1,32 @@
+"""The main job: `shoal train` on the digits config, 2 processes, real data, >= 95 %."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import yaml
+
+from tests.helpers import run_shoal
+
+
+def test_digits_config_trains_to_95_percent(tmp_path):
+    run_dir = tmp_path / "digits"
+    out = run_shoal("train", "--config", "examples/digits.yaml", "--nproc-per-node", "2",
+                    f"run.dir={run_dir}", timeout=170)
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["val_accuracy"] >= 0.95, metrics
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["run"] == {"dir": str(run_dir), "nproc_per_node": 2}
+    # Progress and epoch reports come from rank 0 only.
+    progress = [line for line in out.stdout.splitlines() if "samples/s" in line]
+    assert progress and all(line.startswith("[rank0]:") for line in progress)
+    assert re.search(r"\[rank0\]: .*val_accuracy \d+\.\d+%", out.stdout)
+    assert "[rank1]: epoch" not in out.stdout
+
+
+def test_env_report_names_versions_and_interfaces():
+    out = run_shoal("env")
+    assert out.returncode == 0, out.stderr
+    assert "torch=" in out.stdout and "interface lo" in out.stdout and "gloo=True" in out.stdout
