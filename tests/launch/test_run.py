@@ -117,3 +117,24 @@ def test_killing_the_launcher_leaves_no_worker(script):
     while processes_with(script.name) and time.time() < deadline:
         time.sleep(0.2)
     assert processes_with(script.name) == []
+
+
+def test_two_nodes_with_static_rendezvous_on_loopback(script):
+    from shoal.launch.ports import free_port
+
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "shoal", "run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", port]
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), str(script)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outputs = [node.communicate(timeout=120) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    seen = {}
+    for stdout, _ in outputs:
+        for line in stdout.splitlines():
+            if " env " in line:
+                rank, local, world, _, _, _, group = line.split(" env ")[1].split()[:7]
+                seen[int(rank)] = (int(local), int(world), int(group))
+    # Global ranks 0..3; node r holds ranks 2r and 2r+1 with local ranks 0 and 1.
+    assert seen == {0: (0, 4, 0), 1: (1, 4, 0), 2: (0, 4, 1), 3: (1, 4, 1)}

@@ -38,15 +38,18 @@ def build_launch_config(spec: LaunchSpec, log_dir: str) -> LaunchConfig:
     if spec.nnodes == 1 and spec.master_port is None:
         # The c10d store binds port 0, so the OS picks a free port: no "address in use" race.
         rdzv_backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {}
+        run_id = f"shoal-{uuid.uuid4().hex[:8]}"
     else:
         rdzv_backend = "static"
         endpoint = f"{spec.master_addr}:{spec.master_port}"
         rdzv_configs = {"rank": spec.node_rank}
+        # Every node must name the same run, and each derives it from the same flags.
+        run_id = f"shoal-{spec.master_addr}-{spec.master_port}"
     return LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc_per_node,
-        run_id=f"shoal-{uuid.uuid4().hex[:8]}",
+        run_id=run_id,
         role="worker",
         rdzv_endpoint=endpoint,
         rdzv_backend=rdzv_backend,
