@@ -94,7 +94,8 @@ def launch(spec: LaunchSpec) -> int:
     try:
         elastic_launch(config, sys.executable)(*_worker_argv(spec))
     except ChildFailedError as failed:
-        return report_failure(failed, log_dir)  # keeps the logs the summary points to
+        # The logs stay: the summary points to them.
+        return report_failure(failed, log_dir, first_rank=spec.node_rank * spec.nproc_per_node)
     if spec.log_dir is None:
         shutil.rmtree(log_dir, ignore_errors=True)  # output was shown; nothing to keep
     return 0

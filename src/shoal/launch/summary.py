@@ -115,21 +115,49 @@ def classify(failure: ProcessFailure) -> Cause:
     return Cause(describe_exit(failure.exitcode), launcher_exit_code(failure.exitcode), True)
 
 
-def root_cause(failed: ChildFailedError) -> tuple[int, ProcessFailure]:
+def _latest_attempt_dir(log_dir: str) -> str | None:
+    attempts = glob.glob(os.path.join(log_dir, "**", "attempt_*"), recursive=True)
+    return max(attempts, key=lambda p: int(p.rsplit("_", 1)[1]), default=None)
+
+
+def collect_failures(failed: ChildFailedError, log_dir: str, first_rank: int = 0
+                     ) -> dict[int, ProcessFailure]:
+    """Torch's failures plus every rank that left an error file in the latest attempt.
+
+    When one rank fails, torch may record only the first failed process it notices (often a
+    rank that merely lost its peer) and stop the others; their own error files still say
+    what happened to them. ``first_rank`` is this node's first global rank.
+    """
+    failures = dict(failed.failures)
+    attempt = _latest_attempt_dir(log_dir)
+    if attempt is None:
+        return failures
+    known = {f.local_rank for f in failures.values()}
+    for path in glob.glob(os.path.join(attempt, "*", "error.json")):
+        local_rank = int(os.path.basename(os.path.dirname(path)))
+        if local_rank not in known:
+            failures[first_rank + local_rank] = ProcessFailure(
+                local_rank=local_rank, pid=0, exitcode=1, error_file=path)
+    return failures
+
+
+def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """The failure that started it: an own error before a collateral one, then the earliest."""
-    return min(failed.failures.items(),
+    return min(failures.items(),
                key=lambda item: (not classify(item[1]).own, item[1].timestamp, item[0]))
 
 
-def report_failure(failed: ChildFailedError, log_dir: str, console: Console | None = None) -> int:
+def report_failure(failed: ChildFailedError, log_dir: str, first_rank: int = 0,
+                   console: Console | None = None) -> int:
     """Print the summary of a failed job to stderr and return the launcher's exit code."""
     console = console or Console(stderr=True, highlight=False)
-    root_rank, root = root_cause(failed)
+    failures = collect_failures(failed, log_dir, first_rank)
+    root_rank, root = root_cause(failures)
     cause = classify(root)
     console.print(f"[bold red]shoal: rank {root_rank} failed first[/] ({cause.text}; "
                   f"local rank {root.local_rank}, pid {root.pid})", markup=True, soft_wrap=True)
-    for rank in sorted(r for r in failed.failures if r != root_rank):
-        console.print(f"  rank {rank}: {classify(failed.failures[rank]).text}",
+    for rank in sorted(r for r in failures if r != root_rank):
+        console.print(f"  rank {rank}: {classify(failures[rank]).text}",
                       markup=False, soft_wrap=True)
     trace = first_traceback(root, log_dir)
     if trace:

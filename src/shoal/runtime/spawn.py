@@ -13,7 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shoal.errors import UsageError
-from shoal.launch.summary import classify, first_traceback, root_cause
+from shoal.launch.summary import classify, collect_failures, first_traceback, root_cause
 
 
 class WorkerFailedError(RuntimeError):
@@ -57,7 +57,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
     try:
         results = elastic_launch(config, fn)(*args)
     except ChildFailedError as failed:
-        rank, failure = root_cause(failed)
+        rank, failure = root_cause(collect_failures(failed, log_dir))
         raise WorkerFailedError(rank, classify(failure).text,
                                 first_traceback(failure, log_dir)) from None
     finally:
