@@ -45,10 +45,31 @@ def _fit_uneven():
     trainer2 = shoal.Trainer(model2, make_optimizer(model2), progress=False)
     sampled = trainer2.fit(DataLoader(data, batch_sampler=UnevenBatches(rank)),
                            epochs=2)["global_step"]
-    return streamed, sampled
+    model3 = make_model()
+    trainer3 = shoal.Trainer(model3, make_optimizer(model3), accumulate_grad_batches=2,
+                             progress=False)
+    accumulated = trainer3.fit(DataLoader(RankStream(rank), batch_size=8),
+                               epochs=1)["global_step"]
+    weights = torch.cat([p.detach().flatten() for p in model3.parameters()])
+    return streamed, sampled, accumulated, weights
 
 
 def test_uneven_ranks_finish_together():
     results = shoal.spawn(_fit_uneven, nprocs=2)
-    # Streams: as many steps as the shortest rank has batches. Sized: the minimum length.
-    assert results == [(3, 10), (3, 10)]
+    # Streams: as many steps as the shortest rank has batches (3). Sized: the minimum length
+    # (5 a epoch). Accumulating 2 over the 3-batch stream: one full window, one partial.
+    assert [r[:3] for r in results] == [(3, 10, 2), (3, 10, 2)]
+    # The replicas never diverged, although the stream's length was not known in advance.
+    assert torch.equal(results[0][3], results[1][3])
+
+
+def test_empty_training_data_is_a_clear_error(single_process):
+    import pytest
+
+    from shoal.errors import UsageError
+
+    model = make_model()
+    trainer = shoal.Trainer(model, make_optimizer(model), progress=False)
+    empty = TensorDataset(torch.zeros(0, 10), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(UsageError, match="gave no batch"):
+        trainer.fit(empty, max_steps=5)

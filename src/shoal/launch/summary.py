@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from rich.console import Console
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from shoal.launch.worker import OWN_FRAMES
+
 
 def describe_exit(exitcode: int) -> str:
     """'exit code 3' or 'killed by SIGKILL' for a worker's exit status."""
@@ -39,8 +41,7 @@ def _stderr_log(log_dir: str, local_rank: int) -> str | None:
 
 
 _OWN_FRAME = re.compile(
-    r'^  File "[^"]*(shoal/launch/worker\.py|<frozen runpy>|/runpy\.py|'
-    r'elastic/multiprocessing/errors/__init__\.py)".*\n(?:    .*\n)*',
+    r'^  File "[^"]*(?:' + "|".join(map(re.escape, OWN_FRAMES)) + r')".*\n(?:    .*\n)*',
     re.MULTILINE,
 )
 

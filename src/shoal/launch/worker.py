@@ -17,12 +17,12 @@ import traceback
 
 _PR_SET_PDEATHSIG = 1
 # Frames of the bootstrap itself, hidden from the traceback a user reads.
-_OWN_FRAMES = ("shoal/launch/worker.py", "<frozen runpy>", "/runpy.py",
+OWN_FRAMES = ("shoal/launch/worker.py", "<frozen runpy>", "/runpy.py",
                "elastic/multiprocessing/errors/__init__.py")
 
 
 def _is_own_frame(filename: str) -> bool:
-    return any(part in filename.replace(os.sep, "/") for part in _OWN_FRAMES)
+    return any(part in filename.replace(os.sep, "/") for part in OWN_FRAMES)
 
 
 def _user_traceback(tb):

@@ -116,36 +116,47 @@ class Trainer:
         loss_sum = torch.zeros((), device=h.device, dtype=torch.float64)
         micro_batches = samples = 0
         start = time.perf_counter()
+        pending = False  # gradients accumulated since the last optimizer step
         for i, batch in enumerate(agreed_batches(loader, length, h.device)):
-            window_start = i - i % k
-            window = k if length is None else min(k, length - window_start)
-            # Sync only on the window's last micro-batch. An unsized loader's last batch is
-            # unknown in advance, so there every micro-batch syncs.
-            last = length is None or i - window_start == window - 1
+            position = i % k
+            window = k if length is None else min(k, length - (i - position))
+            step_now = position == window - 1
+            # All-reduce only on the micro-batch that ends the window. An unsized loader's
+            # last batch is not known in advance, so there every micro-batch syncs.
+            sync = step_now or length is None
             inputs, targets = _unpack(h.to_device(batch))
-            with h.no_sync(model, enabled=not last):
+            with h.no_sync(model, enabled=not sync):
                 with h.autocast():
                     loss = self.loss_fn(model(inputs), targets)
                 h.backward(loss / window if window > 1 else loss)
             loss_sum += loss.detach()
             micro_batches += 1
             samples += _batch_len(batch)
-            if not last:
-                continue
-            h.step(self.optimizer, model=model, clip_grad_norm=c.clip_grad_norm)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            self.global_step += 1
-            if progress.wants_update():
-                rate = samples * h.world_size / (time.perf_counter() - start)
-                progress.update(self.global_step, self.epoch, loss.item(), rate)
-            if max_steps is not None and self.global_step >= max_steps:
-                break
+            pending = not step_now
+            if step_now:
+                self._optimizer_step()
+                if progress.wants_update():
+                    rate = samples * h.world_size / (time.perf_counter() - start)
+                    progress.update(self.global_step, self.epoch, loss.item(), rate)
+                if max_steps is not None and self.global_step >= max_steps:
+                    break
+        if pending:  # an unsized loader ended inside a window; its gradients are synced
+            self._optimizer_step()
+        if micro_batches == 0:
+            raise UsageError("the training data gave no batch this epoch (on every rank): "
+                             "is the dataset smaller than world size x batch size?")
         totals = torch.stack([loss_sum, torch.tensor(float(micro_batches), device=h.device,
                                                      dtype=torch.float64)])
         if h.world_size > 1:
             torch.distributed.all_reduce(totals)
         return {"train_loss": (totals[0] / totals[1].clamp(min=1)).item()}
+
+    def _optimizer_step(self) -> None:
+        self.harness.step(self.optimizer, model=self.model,
+                          clip_grad_norm=self.config.clip_grad_norm)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_step += 1
 
     @torch.no_grad()
     def validate(self, val_data: Dataset | DataLoader) -> dict[str, float]:
