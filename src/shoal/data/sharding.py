@@ -18,6 +18,8 @@ from torch.utils.data import (
     Sampler,
 )
 
+from shoal.data.sampler import ElasticSampler
+
 
 class EvalShardSampler(Sampler[int]):
     """Rank r reads samples r, r+W, r+2W, ... with no padding, so evaluation counts each once."""
@@ -37,9 +39,9 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
                      num_workers: int = 0) -> DataLoader:
     """A DataLoader that yields only this rank's samples.
 
-    Training uses torch's DistributedSampler (global order from seed and epoch; rank r takes
-    every W-th index), so W ranks with batch B see exactly the samples one process sees with
-    batch W*B. A DataLoader keeps its batch size, collate function and workers.
+    Training uses ElasticSampler (global order from seed and epoch; rank r takes every W-th
+    sample of each global batch), so W ranks with batch B see exactly the samples one process
+    sees with batch W*B. A DataLoader keeps its batch size, collate function and workers.
     """
     loader = data if isinstance(data, DataLoader) else None
     dataset = loader.dataset if loader is not None else data
@@ -47,7 +49,7 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
         batch_size = loader.batch_size or batch_size
         shuffle = isinstance(loader.sampler, RandomSampler)
         if isinstance(dataset, IterableDataset) or isinstance(
-                loader.sampler, (DistributedSampler, EvalShardSampler)):
+                loader.sampler, (DistributedSampler, ElasticSampler, EvalShardSampler)):
             return loader  # already sharded by the user
         if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
             warnings.warn("custom batch_sampler kept as is: shard its batches yourself",
@@ -58,13 +60,15 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
     if evaluation:
         sampler: Sampler[int] = EvalShardSampler(len(dataset), world_size, rank)
     else:
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                     shuffle=shuffle, seed=seed)
+        sampler = ElasticSampler(len(dataset), world_size, rank, batch_size, seed=seed,
+                                 shuffle=shuffle,
+                                 drop_last=loader is not None and loader.drop_last)
     kwargs = {"batch_size": batch_size, "num_workers": num_workers}
     if loader is not None:
-        kwargs.update(batch_size=batch_size, num_workers=loader.num_workers,
-                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-                      drop_last=loader.drop_last, persistent_workers=loader.persistent_workers)
+        # drop_last is the sampler's business now: it knows where global batches end.
+        kwargs.update(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                      pin_memory=loader.pin_memory,
+                      persistent_workers=loader.persistent_workers)
     return DataLoader(dataset, sampler=sampler, **kwargs)
 
 
@@ -78,16 +82,16 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
 def agreed_length(loader: DataLoader, device: torch.device) -> int | None:
     """The number of batches every rank will run this epoch, or None for an unsized loader.
 
-    DistributedSampler gives every rank the same length by construction; for any other
-    loader, one all-reduce per epoch takes the smallest length over ranks, so a rank with an
-    extra batch cannot leave the others waiting in a collective forever.
+    ElasticSampler and DistributedSampler give every rank the same length by construction.
+    For any other loader, one all-reduce per epoch takes the smallest length over ranks, so
+    a rank with an extra batch cannot leave the others waiting in a collective forever.
     """
     try:
         length = len(loader)
     except TypeError:
         return None
     if (not dist.is_initialized() or dist.get_world_size() == 1
-            or isinstance(loader.sampler, DistributedSampler)):
+            or isinstance(loader.sampler, (DistributedSampler, ElasticSampler))):
         return length
     count = torch.tensor([length], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
