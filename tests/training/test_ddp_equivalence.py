@@ -69,6 +69,48 @@ def test_ddp_matches_single_process_with_global_batch(world):
             assert all(torch.equal(result[api][k], results[0][api][k]) for k in result[api])
 
 
+def _train_uneven(batch: int, accumulate: int, n_samples: int, steps: int):
+    shoal.init("gloo")
+    model = make_model()
+    trainer = shoal.Trainer(model, make_optimizer(model), batch_size=batch, seed=SEED,
+                            accumulate_grad_batches=accumulate, progress=False)
+    trainer.fit(make_dataset(n_samples), max_steps=steps)
+    return _state(trainer.module)
+
+
+@pytest.mark.parametrize("world, batch, accumulate", [(2, 4, 3), (3, 8, 1)])
+def test_dataset_size_not_divisible_by_global_batch(world, batch, accumulate):
+    # 100 samples: the epoch ends on a short global batch (4 samples), which ranks share
+    # unequally; 7 steps cross into the next epoch.
+    n_samples, steps = 100, 7
+    results = shoal.spawn(_train_uneven, nprocs=world,
+                          args=(batch, accumulate, n_samples, steps))
+    expected = reference_weights(world * batch * accumulate, steps, n_samples=n_samples)
+    for rank, weights in enumerate(results):
+        diff = max_rel_diff(weights, expected)
+        assert diff <= TOLERANCE, f"W={world} rank {rank}: rel diff {diff:.2e}"
+
+
+def _validate(n_val: int):
+    shoal.init("gloo")
+    model = make_model()
+    trainer = shoal.Trainer(model, make_optimizer(model), batch_size=2, progress=False)
+    return trainer.validate(make_dataset(n_val))
+
+
+@pytest.mark.parametrize("world, n_val", [(2, 7), (3, 7), (3, 2)])
+def test_validation_is_over_the_whole_set_once(world, n_val):
+    # 2 samples on 3 ranks: one rank has none, and must still take part.
+    x, y = make_dataset(n_val).tensors
+    with torch.no_grad():
+        out = make_model()(x)
+    expected_loss = F.cross_entropy(out, y).item()
+    expected_acc = (out.argmax(1) == y).sum().item() / n_val
+    for metrics in shoal.spawn(_validate, nprocs=world, args=(n_val,)):
+        assert metrics["val_loss"] == pytest.approx(expected_loss, rel=1e-6)
+        assert metrics["val_accuracy"] == pytest.approx(expected_acc, abs=1e-12)
+
+
 def test_reference_is_sensitive_to_batch_size():
     # Guard against a vacuous comparison: a different global batch gives different weights.
     assert max_rel_diff(reference_weights(16, STEPS), reference_weights(8, STEPS)) > 1e-3

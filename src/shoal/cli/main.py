@@ -11,19 +11,25 @@ from shoal.cli.parser import Parser
 from shoal.errors import UsageError
 
 
-def build_parser() -> Parser:
+def build_parser() -> tuple[Parser, Parser]:
+    """The `shoal` parser, and its `train` subparser."""
     parser = Parser(prog="shoal", description="Distributed PyTorch training that keeps running.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     subparsers.required = True
     run_cmd.register(subparsers)
-    train_cmd.register(subparsers)
+    train = train_cmd.register(subparsers)
     env_cmd.register(subparsers)
-    return parser
+    return parser, train
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser, train = build_parser()
+    if argv[:1] == ["train"]:
+        # Overrides and flags in any order: 'a=1 --nproc-per-node 2 b=2'.
+        args = train.parse_intermixed_args(argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         code = args.handler(args)
     except UsageError as exc:

@@ -7,7 +7,7 @@ import argparse
 from shoal.cli.run import add_launch_arguments, spec_from_args
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "train",
         help="train from a YAML run config",
@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_launch_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="override config values; the value is read as YAML")
-    parser.set_defaults(handler=train_command)
+    parser.set_defaults(handler=train_command, command="train")
+    return parser
 
 
 def train_command(args: argparse.Namespace) -> int:

@@ -60,8 +60,9 @@ def import_builder(path: str, where: str) -> Any:
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"{where}: cannot import {path!r} ({exc})") from None
+    except Exception as exc:  # a module may fail to import with any error, SyntaxError too
+        raise UsageError(f"{where}: cannot import {path!r} "
+                         f"({type(exc).__name__}: {exc})") from None
     target: Any = module
     for name in attr.split("."):
         if not hasattr(target, name):
@@ -92,6 +93,8 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
         raise UsageError(f"config file not found: {path}")
     try:
         tree = read_yaml(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read config {path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise UsageError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(tree, dict):
@@ -114,9 +117,13 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
 def save_run_config(config: RunConfig) -> Path:
     """Write the resolved config into the run directory; returns its path."""
     run_dir = Path(config.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / "config.yaml"
-    target.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        target.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    except OSError as exc:
+        raise UsageError(f"run.dir {run_dir}: cannot write the run directory "
+                         f"({exc.strerror})") from None
     return target
 
 

@@ -59,7 +59,7 @@ class ElasticSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.length, generator=generator)
 
-    def _end(self) -> int:
+    def end(self) -> int:
         """Where this epoch's batches stop (exclusive), as a position in the global order."""
         remaining = self.length - self.start
         if self.drop_last:
@@ -69,14 +69,14 @@ class ElasticSampler(Sampler[int]):
 
     def __len__(self) -> int:
         """Samples this rank reads from the resume point to the end of the epoch."""
-        span = self._end() - self.start
+        span = self.end() - self.start
         full, tail = divmod(span, self.global_batch)
         mine = max(0, -(-(tail - self.rank) // self.world_size))  # its share of the tail
         return full * self.batch_size + mine
 
     def __iter__(self) -> Iterator[int]:
         order = self.global_order()
-        end = self._end()
+        end = self.end()
         for first in range(self.start, end, self.global_batch):
             block = order[first:min(first + self.global_batch, end)]
             yield from block[self.rank::self.world_size].tolist()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,9 +17,11 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     Sampler,
+    SequentialSampler,
 )
 
 from shoal.data.sampler import ElasticSampler
+from shoal.errors import UsageError
 
 
 class EvalShardSampler(Sampler[int]):
@@ -45,38 +48,82 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
     """
     loader = data if isinstance(data, DataLoader) else None
     dataset = loader.dataset if loader is not None else data
+    if isinstance(dataset, IterableDataset):
+        if world_size > 1 and rank == 0:
+            warnings.warn("an IterableDataset is not split across ranks: every rank reads the "
+                          "whole stream unless the dataset shards itself by shoal.rank()",
+                          stacklevel=3)
+        if loader is not None:
+            return loader
+        return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
     if loader is not None:
         batch_size = loader.batch_size or batch_size
         shuffle = isinstance(loader.sampler, RandomSampler)
-        if isinstance(dataset, IterableDataset) or isinstance(
-                loader.sampler, (DistributedSampler, ElasticSampler, EvalShardSampler)):
-            return loader  # already sharded by the user
+        if isinstance(loader.sampler, (DistributedSampler, ElasticSampler, EvalShardSampler)):
+            return loader  # already sharded
         if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
             warnings.warn("custom batch_sampler kept as is: shard its batches yourself",
                           stacklevel=3)
             return loader
-    if isinstance(dataset, IterableDataset):
-        return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+        if not isinstance(loader.sampler, (SequentialSampler, RandomSampler)):
+            if world_size == 1:
+                return loader
+            raise UsageError(
+                f"cannot split a DataLoader with a {type(loader.sampler).__name__} across "
+                "ranks: pass a torch.utils.data.Subset of the dataset instead, or a sampler "
+                "that takes this rank's share itself (like DistributedSampler)")
     if evaluation:
         sampler: Sampler[int] = EvalShardSampler(len(dataset), world_size, rank)
     else:
         sampler = ElasticSampler(len(dataset), world_size, rank, batch_size, seed=seed,
                                  shuffle=shuffle,
                                  drop_last=loader is not None and loader.drop_last)
-    kwargs = {"batch_size": batch_size, "num_workers": num_workers}
+    # The loader's own generator: making an iterator draws a seed from it, and drawing from
+    # the global RNG instead would shift dropout after a resume (see set_epoch).
+    kwargs = {"batch_size": batch_size, "num_workers": num_workers,
+              "generator": torch.Generator()}
     if loader is not None:
         # drop_last is the sampler's business now: it knows where global batches end.
         kwargs.update(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                      pin_memory=loader.pin_memory,
+                      pin_memory=loader.pin_memory, timeout=loader.timeout,
+                      worker_init_fn=loader.worker_init_fn,
+                      multiprocessing_context=loader.multiprocessing_context,
                       persistent_workers=loader.persistent_workers)
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
     return DataLoader(dataset, sampler=sampler, **kwargs)
 
 
-def set_epoch(loader: DataLoader, epoch: int) -> None:
-    """Reshuffle for ``epoch``: every rank derives the same global order from (seed, epoch)."""
+def set_epoch(loader: DataLoader, epoch: int, consumed: int = 0) -> bool:
+    """Reshuffle for ``epoch``: every rank derives the same global order from (seed, epoch).
+
+    ``consumed`` global samples of the epoch are skipped (resuming). Returns False when the
+    loader cannot start mid-epoch (it then starts the epoch from its beginning).
+    """
     sampler = loader.sampler
+    if isinstance(sampler, ElasticSampler):
+        sampler.set_epoch(epoch, consumed)
+        if loader.generator is not None:
+            # Worker seeds then depend on (seed, epoch, rank) only, never on the history.
+            loader.generator.manual_seed(hash((sampler.seed, epoch, sampler.rank)) % 2**62)
+        return True
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
+    return consumed == 0
+
+
+def samples_between(loader: DataLoader, first: int, last: int) -> int | None:
+    """Global samples in micro-batches [first, last) of this epoch's run, if known."""
+    before, after = position_after(loader, first), position_after(loader, last)
+    return None if before is None else after - before
+
+
+def position_after(loader: DataLoader, micro_batches: int) -> int | None:
+    """Global samples of the epoch consumed after ``micro_batches`` more batches, if known."""
+    sampler = loader.sampler
+    if not isinstance(sampler, ElasticSampler):
+        return None
+    return min(sampler.start + micro_batches * sampler.global_batch, sampler.end())
 
 
 def agreed_length(loader: DataLoader, device: torch.device) -> int | None:
@@ -98,21 +145,31 @@ def agreed_length(loader: DataLoader, device: torch.device) -> int | None:
     return int(count.item())
 
 
-def agreed_batches(loader: DataLoader, length: int | None, device: torch.device) -> Iterator:
-    """Iterate ``loader`` for ``length`` batches; unsized, stop when any rank runs out."""
+def agreed_batches(loader: DataLoader, length: int | None, device: torch.device
+                   ) -> Iterator[tuple[Any, bool]]:
+    """(batch, is_last) for ``length`` batches; unsized, until any rank runs out.
+
+    An unsized loader is read one batch ahead, and before every batch all ranks agree that
+    each still has one, so every rank knows which batch is the epoch's last.
+    """
     if length is not None:
-        yield from itertools.islice(loader, length)
+        for i, batch in enumerate(itertools.islice(loader, length)):
+            yield batch, i == length - 1
         return
     world = dist.get_world_size() if dist.is_initialized() else 1
     iterator = iter(loader)
-    while True:
+
+    def agreed_next() -> Any:
         batch = next(iterator, None)
         if world > 1:
-            # Before every batch, all ranks agree that each still has one.
             flag = torch.tensor([0 if batch is None else 1], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             if flag.item() == 0:
-                return
-        elif batch is None:
-            return
-        yield batch
+                return None
+        return batch
+
+    current = agreed_next()
+    while current is not None:
+        following = agreed_next()
+        yield current, following is None
+        current = following

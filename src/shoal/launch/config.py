@@ -9,14 +9,16 @@ from shoal.errors import UsageError
 
 
 def resolve_nproc(value: int | str) -> int:
-    """Turn ``--nproc-per-node`` into a count: ``auto`` is one per GPU, else one per CPU core."""
+    """Turn ``--nproc-per-node`` into a count: ``auto`` is one per GPU, else one per CPU core
+    this process may run on."""
     if isinstance(value, str):
         if value == "auto":
             import torch
 
             if torch.cuda.is_available():
                 return torch.cuda.device_count()
-            return os.cpu_count() or 1
+            return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else os.cpu_count() or 1
         try:
             value = int(value)
         except ValueError:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import uuid
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from shoal.errors import UsageError
 from shoal.launch.config import LaunchSpec
 from shoal.launch.ports import check_port_free
 from shoal.launch.summary import report_failure
@@ -31,6 +34,16 @@ def _is_local(addr: str) -> bool:
         }
     except OSError:
         return False
+
+
+def fresh_store_per_attempt() -> None:
+    """Let each attempt's rank 0 host a new store for the workers' process group.
+
+    With c10d rendezvous the workers otherwise share the agent's store across restarts, and
+    a restarted group reads the previous attempt's gloo addresses: it connects to dead
+    workers and hangs in init_process_group.
+    """
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def build_launch_config(spec: LaunchSpec, log_dir: str) -> LaunchConfig:
@@ -62,6 +75,16 @@ def build_launch_config(spec: LaunchSpec, log_dir: str) -> LaunchConfig:
     )
 
 
+def _new_log_dir(parent: str | None) -> str:
+    if parent is None:
+        return tempfile.mkdtemp(prefix="shoal-logs-")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix="run-", dir=parent)
+    except OSError as exc:
+        raise UsageError(f"--log-dir {parent}: {exc.strerror}") from None
+
+
 def _worker_argv(spec: LaunchSpec) -> list[str]:
     argv = ["-m", "shoal.launch.worker"]
     if spec.module:
@@ -88,11 +111,17 @@ def launch(spec: LaunchSpec) -> int:
         # Several processes on one node would otherwise each start a thread per core.
         os.environ["OMP_NUM_THREADS"] = "1"
     quiet_torch_logs()
-    log_dir = spec.log_dir or tempfile.mkdtemp(prefix="shoal-logs-")
-    os.makedirs(log_dir, exist_ok=True)
+    fresh_store_per_attempt()
+    # A folder of its own for every launch, also inside a reused --log-dir, so that the
+    # failure summary never reads an older job's error files.
+    log_dir = _new_log_dir(spec.log_dir)
     config = build_launch_config(spec, log_dir)
     try:
         elastic_launch(config, sys.executable)(*_worker_argv(spec))
+    except SignalException as exc:
+        sys.stderr.write(f"shoal: stopped by {signal.Signals(exc.sigval).name}; "
+                         f"workers were stopped too. Per-rank logs: {log_dir}\n")
+        return 128 + exc.sigval
     except ChildFailedError as failed:
         # The logs stay: the summary points to them.
         return report_failure(failed, log_dir, first_rank=spec.node_rank * spec.nproc_per_node)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from shoal.launch.worker import OWN_FRAMES
+from shoal.launch.frames import OWN_FRAMES
 
 
 def describe_exit(exitcode: int) -> str:
@@ -103,8 +103,9 @@ def classify(failure: ProcessFailure) -> Cause:
     message = _recorded_message(failure)
     if message.startswith("SystemExit: "):
         code = message.removeprefix("SystemExit: ")
-        code = int(code) if code.lstrip("-").isdigit() else 1
-        return Cause(f"exit code {code}", code or 1, own=True)
+        if code.lstrip("-").isdigit():
+            return Cause(f"exit code {code}", int(code) or 1, own=True)
+        return Cause(f"exit code 1 (sys.exit: {code[:200]})", 1, own=True)
     if message and any(marker in message for marker in _PEER_LOST):
         first = _SOURCE_PATH.sub("", message.splitlines()[0])[:160]
         return Cause(f"lost its connection to a failed rank: {first}", 1, own=False)

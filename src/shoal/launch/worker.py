@@ -15,10 +15,9 @@ import signal
 import sys
 import traceback
 
+from shoal.launch.frames import OWN_FRAMES
+
 _PR_SET_PDEATHSIG = 1
-# Frames of the bootstrap itself, hidden from the traceback a user reads.
-OWN_FRAMES = ("shoal/launch/worker.py", "<frozen runpy>", "/runpy.py",
-               "elastic/multiprocessing/errors/__init__.py")
 
 
 def _is_own_frame(filename: str) -> bool:
@@ -71,11 +70,14 @@ def _shut_down(namespace: dict) -> None:
 
 def main() -> None:
     _die_with_launcher()
+    # Worker output goes to files: line buffering keeps it live and loses nothing on exit.
+    sys.stdout.reconfigure(line_buffering=True)
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
     try:
         # record() writes the error file that the launcher's failure summary reads.
-        _shut_down(record(_run)(sys.argv[1:]))
+        # record() turns sys.exit(0) into None: nothing left to shut down then but the group.
+        _shut_down(record(_run)(sys.argv[1:]) or {})
     except SystemExit as exc:
         if exc.code not in (0, None):
             # Recorded so the launcher knows this rank chose to exit, even if it is stopped
@@ -86,6 +88,7 @@ def main() -> None:
         # Printed here rather than by sys.excepthook: torch's hook would add a second rank
         # prefix to lines the launcher already prefixes.
         traceback.print_exception(type(exc), exc, _user_traceback(exc.__traceback__))
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
 

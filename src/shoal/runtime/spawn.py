@@ -51,9 +51,10 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         local_addr="127.0.0.1",
     )
-    from shoal.launch.launcher import quiet_torch_logs
+    from shoal.launch.launcher import fresh_store_per_attempt, quiet_torch_logs
 
     quiet_torch_logs()
+    fresh_store_per_attempt()
     try:
         results = elastic_launch(config, fn)(*args)
     except ChildFailedError as failed:

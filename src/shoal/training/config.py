@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from shoal.config.errors import usage_error
 from shoal.parallel.ddp import DDPConfig
@@ -41,6 +48,21 @@ class TrainerConfig(BaseModel):
     """Show a progress bar (rank 0 only)."""
     backend: Literal["gloo", "nccl"] | None = None
     """Process-group backend; default NCCL with CUDA, else gloo."""
+    checkpoint_dir: str | None = None
+    """Directory of checkpoints (shared by all ranks); none are written when unset."""
+    checkpoint_every: int | None = Field(None, gt=0)
+    """Save every this many optimizer steps (and at the end of fit)."""
+    keep_last: int = Field(3, gt=0)
+    """How many complete checkpoints to keep."""
+    resume: str | None = None
+    """'auto': continue from the newest complete checkpoint in checkpoint_dir, if any;
+    a path: from that checkpoint; unset: start afresh."""
+
+    @model_validator(mode="after")
+    def _checkpoint_settings(self) -> TrainerConfig:
+        if (self.checkpoint_every or self.resume == "auto") and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every and resume='auto' need checkpoint_dir")
+        return self
 
     @field_validator("precision", mode="before")
     @classmethod

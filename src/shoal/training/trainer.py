@@ -12,8 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from shoal.data.sharding import agreed_batches, agreed_length, set_epoch
+from shoal.data.sharding import (
+    agreed_batches,
+    agreed_length,
+    position_after,
+    samples_between,
+    set_epoch,
+)
 from shoal.errors import UsageError
+from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness, seed_everything
 from shoal.training.progress import Progress
@@ -31,6 +38,12 @@ def _unpack(batch: Any) -> tuple[Any, Any]:
 def _batch_len(batch: Any) -> int:
     inputs = batch[0]
     return inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)
+
+
+def _rescale_gradients(model: nn.Module, factor: float) -> None:
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(factor)
 
 
 class Trainer:
@@ -59,7 +72,11 @@ class Trainer:
         self.lr_scheduler = lr_scheduler
         self.global_step = 0
         self.epoch = 0
+        self.accumulate = c.accumulate_grad_batches  # resuming on another W may change it
+        self._position: int | None = 0  # global samples of the epoch consumed so far
         self.history: list[dict[str, float]] = []
+        self.checkpointing = Checkpointing(self, c.checkpoint_dir, c.checkpoint_every,
+                                           c.keep_last) if c.checkpoint_dir else None
 
     @property
     def module(self) -> nn.Module:
@@ -73,90 +90,125 @@ class Trainer:
 
     def fit(self, train_data: Dataset | DataLoader, val_data: Dataset | DataLoader | None = None,
             epochs: int | None = None, max_steps: int | None = None) -> dict[str, float]:
-        """Train; validate after each epoch when ``val_data`` is given. Returns final metrics."""
+        """Train; validate after each epoch when ``val_data`` is given. Returns final metrics.
+
+        With ``resume`` set, training continues where the checkpoint left off: same step,
+        same next sample, same random state.
+        """
         c = self.config
         epochs = epochs or c.epochs
         max_steps = max_steps or c.max_steps
         if epochs is None and max_steps is None:
             epochs = 1
         loader = self._loader(train_data, evaluation=False)
+        consumed = self.checkpointing.resume(c.resume) if self.checkpointing and c.resume \
+            else 0
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.harness.is_main)
         metrics: dict[str, float] = {}
         try:
-            while epochs is None or self.epoch < epochs:
-                metrics = {"epoch": self.epoch, **self._train_epoch(loader, progress, max_steps)}
+            while not self._finished(epochs, max_steps):
+                train, epoch_done = self._train_epoch(loader, progress, max_steps, consumed)
+                consumed = 0
+                metrics = {"epoch": self.epoch, **train}
                 if val_data is not None:
                     metrics.update(self.validate(val_data))
                 self.history.append(metrics)
-                self.epoch += 1
                 self._report_epoch(metrics, progress)
-                if max_steps is not None and self.global_step >= max_steps:
+                if epoch_done:
+                    self.epoch += 1
+                else:  # stopped by max_steps inside the epoch: it goes on from here
+                    consumed = self._position or 0
                     break
         finally:
             progress.close()
+        if self.checkpointing and self.checkpointing.saved_step != self.global_step:
+            self.checkpointing.save(consumed)
         return {**metrics, "global_step": self.global_step}
+
+    def _finished(self, epochs: int | None, max_steps: int | None) -> bool:
+        return ((max_steps is not None and self.global_step >= max_steps)
+                or (epochs is not None and self.epoch >= epochs))
 
     def _total_steps(self, loader: DataLoader, epochs: int | None, max_steps: int | None
                      ) -> int | None:
         try:
-            per_epoch = math.ceil(len(loader) / self.config.accumulate_grad_batches)
+            per_epoch = math.ceil(len(loader) / self.accumulate)
         except TypeError:
             return max_steps
         total = per_epoch * epochs if epochs is not None else None
         return min(x for x in (total, max_steps) if x is not None) if total or max_steps else None
 
-    def _train_epoch(self, loader: DataLoader, progress: Progress, max_steps: int | None
-                     ) -> dict[str, float]:
-        h, c, model = self.harness, self.config, self.model
-        k = c.accumulate_grad_batches
+    def _train_epoch(self, loader: DataLoader, progress: Progress, max_steps: int | None,
+                     consumed: int) -> tuple[dict[str, float], bool]:
+        """One epoch from ``consumed`` samples on; returns (metrics, reached its end)."""
+        h, model, k = self.harness, self.model, self.accumulate
         model.train()
-        set_epoch(loader, self.epoch)
+        if not set_epoch(loader, self.epoch, consumed):
+            consumed = 0  # this loader cannot start mid-epoch: the epoch starts over
         length = agreed_length(loader, h.device)
         loss_sum = torch.zeros((), device=h.device, dtype=torch.float64)
         micro_batches = samples = 0
         start = time.perf_counter()
-        pending = False  # gradients accumulated since the last optimizer step
-        for i, batch in enumerate(agreed_batches(loader, length, h.device)):
+        stopped = False
+        for i, (batch, last_batch) in enumerate(agreed_batches(loader, length, h.device)):
             position = i % k
+            # An unsized loader's window length is known only at its end (see below).
             window = k if length is None else min(k, length - (i - position))
-            step_now = position == window - 1
-            # All-reduce only on the micro-batch that ends the window. An unsized loader's
-            # last batch is not known in advance, so there every micro-batch syncs.
-            sync = step_now or length is None
+            step_now = position == window - 1 or last_batch
             inputs, targets = _unpack(h.to_device(batch))
-            with h.no_sync(model, enabled=not sync):
+            with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
                 with h.autocast():
                     loss = self.loss_fn(model(inputs), targets)
-                h.backward(loss / window if window > 1 else loss)
+                h.backward(self._scaled(loss, loader, i - position, window, batch))
             loss_sum += loss.detach()
             micro_batches += 1
             samples += _batch_len(batch)
-            pending = not step_now
-            if step_now:
-                self._optimizer_step()
-                if progress.wants_update():
-                    rate = samples * h.world_size / (time.perf_counter() - start)
-                    progress.update(self.global_step, self.epoch, loss.item(), rate)
-                if max_steps is not None and self.global_step >= max_steps:
-                    break
-        if pending:  # an unsized loader ended inside a window; its gradients are synced
-            self._optimizer_step()
-        if micro_batches == 0:
+            if not step_now:
+                continue
+            if length is None and position + 1 < k:
+                # The stream ended inside a window: its gradients were divided by k.
+                _rescale_gradients(model, k / (position + 1))
+            self._optimizer_step(position_after(loader, micro_batches))
+            if progress.wants_update():
+                rate = samples * h.world_size / (time.perf_counter() - start)
+                progress.update(self.global_step, self.epoch, loss.item(), rate)
+            if max_steps is not None and self.global_step >= max_steps:
+                stopped = not last_batch
+                break
+        if micro_batches == 0 and consumed == 0:
             raise UsageError("the training data gave no batch this epoch (on every rank): "
                              "is the dataset smaller than world size x batch size?")
         totals = torch.stack([loss_sum, torch.tensor(float(micro_batches), device=h.device,
                                                      dtype=torch.float64)])
         if h.world_size > 1:
             torch.distributed.all_reduce(totals)
-        return {"train_loss": (totals[0] / totals[1].clamp(min=1)).item()}
+        train_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+        return {"train_loss": train_loss}, not stopped
 
-    def _optimizer_step(self) -> None:
+    def _scaled(self, loss: torch.Tensor, loader: DataLoader, window_start: int, window: int,
+                batch: Any) -> torch.Tensor:
+        """The loss to back-propagate so that the window's gradient is its global mean.
+
+        DDP averages over ranks, so with equal shares dividing by the window length is
+        exact. A short final global batch gives ranks unequal shares: each rank's loss then
+        counts by its share of the window's samples.
+        """
+        total = samples_between(loader, window_start, window_start + window)
+        share = _batch_len(batch) * self.harness.world_size
+        if total is None or share * window == total:
+            return loss / window if window > 1 else loss
+        return loss * (share / total)
+
+    def _optimizer_step(self, consumed: int | None) -> None:
         self.harness.step(self.optimizer, model=self.model,
                           clip_grad_norm=self.config.clip_grad_norm)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_step += 1
+        self._position = consumed
+        if self.checkpointing:
+            self.checkpointing.after_step(consumed)
 
     @torch.no_grad()
     def validate(self, val_data: Dataset | DataLoader) -> dict[str, float]:

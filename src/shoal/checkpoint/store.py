@@ -1,0 +1,171 @@
+"""A directory of checkpoints: DCP shards written by every rank, committed by rank 0.
+
+Layout: ``ROOT/step_000000120/`` holds DCP's shard files and ``.metadata``, shoal's
+``shoal.json`` (structure, counters) and, written last, ``COMMIT.json``, which lists every
+file with its size. A save goes to ``step_N.partial`` and is renamed only after the commit
+marker exists, so a crash mid-save never leaves a checkpoint that looks complete; a truncated
+or missing shard is caught by the sizes before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from shoal.checkpoint import tree
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+COMMIT = "COMMIT.json"
+META = "shoal.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, with what is wrong and where."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class CheckpointStore:
+    """Save and find checkpoints under ``root``; keeps the newest ``keep_last``."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3):
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step_{step:09d}"
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, shared: dict, own: dict, meta: dict) -> Path:
+        """Write a checkpoint (collective: every rank calls it).
+
+        ``shared`` is the same on every rank (model, optimizer, ...); DCP writes each
+        replicated tensor once. ``own`` is this rank's alone (its RNG states). ``meta`` is
+        JSON data (counters, config) recorded by rank 0.
+        """
+        rank = _rank()
+        final = self.path_for(step)
+        partial = final.with_name(final.name + ".partial")
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a crash during a save
+            partial.mkdir(parents=True)
+        _barrier()
+        skeleton, tensors = tree.split(shared, "shared")
+        own_skeleton, own_tensors = tree.split(own, f"rank{rank}")
+        dcp.save({**tensors, **own_tensors}, checkpoint_id=str(partial))
+        own_skeletons = [own_skeleton]
+        if dist.is_initialized():
+            own_skeletons = [None] * dist.get_world_size()
+            dist.all_gather_object(own_skeletons, own_skeleton)
+        if rank == 0:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            _write_json(partial / META, {"step": step, "world_size": world, "meta": meta,
+                                         "shared": skeleton, "ranks": own_skeletons})
+            files = {p.name: p.stat().st_size for p in sorted(partial.iterdir())}
+            _write_json(partial / COMMIT, {"step": step, "files": files})
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        committed = self._step_dirs()
+        for path in committed[:-self.keep_last] if self.keep_last > 0 else []:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- finding ----------------------------------------------------------------------------
+
+    def _step_dirs(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+        return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+    @staticmethod
+    def problem(path: Path) -> str | None:
+        """What makes ``path`` unusable, or None when it is complete."""
+        marker = path / COMMIT
+        if not marker.is_file():
+            return f"no commit marker ({COMMIT}): the save did not finish"
+        try:
+            files = json.loads(marker.read_text())["files"]
+        except (ValueError, KeyError) as exc:
+            return f"unreadable commit marker: {exc}"
+        for name, size in files.items():
+            file = path / name
+            if not file.is_file():
+                return f"file {name} is missing"
+            actual = file.stat().st_size
+            if actual != size:
+                return f"file {name} has {actual} bytes, {size} were written (truncated?)"
+        return None
+
+    def latest(self, report: bool = True) -> Path | None:
+        """The newest complete checkpoint; skipped broken ones are named on rank 0."""
+        for path in reversed(self._step_dirs()):
+            problem = self.problem(path)
+            if problem is None:
+                return path
+            if report and _rank() == 0:
+                print(f"shoal: skipping checkpoint {path}: {problem}", file=sys.stderr,
+                      flush=True)
+        return None
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def load(self, path: str | os.PathLike) -> tuple[dict, dict | None, dict]:
+        """(shared state, this rank's own state or None, meta) of the checkpoint at ``path``.
+
+        Collective. Tensors are allocated from the checkpoint's own metadata and filled by
+        DCP; nothing is unpickled.
+        """
+        path = Path(path)
+        problem = self.problem(path)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} cannot be loaded: {problem}")
+        info = json.loads((path / META).read_text())
+        rank = _rank()
+        own_skeleton = info["ranks"][rank] if rank < len(info["ranks"]) else None
+        keys = tree.tensor_keys(info["shared"])
+        if own_skeleton is not None:
+            keys += tree.tensor_keys(own_skeleton)
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        tensors = {}
+        for key in keys:
+            entry = stored.get(key)
+            if not isinstance(entry, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {path}: tensor {key!r} is missing")
+            tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        dcp.load(tensors, checkpoint_id=str(path))
+        shared = tree.join(info["shared"], tensors)
+        own = tree.join(own_skeleton, tensors) if own_skeleton is not None else None
+        return shared, own, {**info["meta"], "world_size": info["world_size"],
+                             "step": info["step"]}

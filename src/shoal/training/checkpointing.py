@@ -1,0 +1,113 @@
+"""Save and restore everything a Trainer needs to continue a run exactly.
+
+A checkpoint holds model, optimizer, LR scheduler, gradient scaler, every rank's RNG
+states, the step and epoch counters and the data position (global samples consumed in the
+epoch). Resumed with another world size, the global batch stays the same: accumulation is
+adjusted where it divides, and a clear error says what to change where it does not.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shoal.checkpoint import CheckpointError, CheckpointStore, rng
+from shoal.errors import UsageError
+
+if TYPE_CHECKING:
+    from shoal.training.trainer import Trainer
+
+
+def _say(trainer: Trainer, message: str) -> None:
+    if trainer.harness.is_main:
+        print(f"shoal: {message}", file=sys.stderr, flush=True)
+
+
+class Checkpointing:
+    """The Trainer's checkpoints: when to save, what to save, how to resume."""
+
+    def __init__(self, trainer: Trainer, directory: str, every: int | None, keep_last: int):
+        self.trainer = trainer
+        self.store = CheckpointStore(directory, keep_last=keep_last)
+        self.every = every
+        self.saved_step = -1
+
+    def after_step(self, consumed: int | None) -> None:
+        if self.every and self.trainer.global_step % self.every == 0:
+            self.save(consumed)
+
+    def save(self, consumed: int | None) -> Path:
+        t = self.trainer
+        shared = {"model": t.module.state_dict(), "optimizer": t.optimizer.state_dict(),
+                  "scaler": t.harness.precision.state_dict()}
+        if t.lr_scheduler is not None:
+            shared["lr_scheduler"] = t.lr_scheduler.state_dict()
+        c = t.config
+        meta = {"global_step": t.global_step, "epoch": t.epoch,
+                # None: the loader cannot resume mid-epoch; the epoch restarts instead.
+                "consumed": consumed, "batch_size": c.batch_size,
+                "global_batch": t.harness.world_size * c.batch_size * t.accumulate,
+                "seed": c.seed}
+        path = self.store.save(t.global_step, shared, {"rng": rng.capture()}, meta)
+        self.saved_step = t.global_step
+        return path
+
+    def resume(self, source: str) -> int:
+        """Load the checkpoint ``source`` names ('auto': the newest complete one).
+
+        Returns the samples of the current epoch already consumed.
+        """
+        t = self.trainer
+        path = self.store.latest() if source == "auto" else Path(source)
+        if path is None:
+            _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
+            return 0
+        shared, own, meta = self.store.load(path)
+        _check_model_fits(path, shared["model"], t.module.state_dict())
+        t.module.load_state_dict(shared["model"])
+        t.optimizer.load_state_dict(shared["optimizer"])
+        t.harness.precision.load_state_dict(shared["scaler"])
+        if t.lr_scheduler is not None and "lr_scheduler" in shared:
+            t.lr_scheduler.load_state_dict(shared["lr_scheduler"])
+        if own is not None:
+            rng.restore(own["rng"])
+        t.global_step, t.epoch = meta["global_step"], meta["epoch"]
+        self.saved_step = t.global_step
+        self._keep_global_batch(meta)
+        _say(t, f"resumed from {path} (step {t.global_step}, epoch {t.epoch}, "
+                f"saved by {meta['world_size']} processes)")
+        return meta["consumed"] or 0
+
+    def _keep_global_batch(self, meta: dict) -> None:
+        t = self.trainer
+        world, batch = t.harness.world_size, t.config.batch_size
+        global_batch = meta["global_batch"]
+        if global_batch == world * batch * t.accumulate:
+            return
+        if global_batch % (world * batch):
+            raise UsageError(
+                f"the checkpoint's global batch is {global_batch} samples, which "
+                f"{world} processes x batch_size {batch} cannot make up; use a batch_size "
+                f"that divides {global_batch // world if global_batch % world == 0 else '?'}"
+                f" or a world size that divides {global_batch // batch}")
+        t.accumulate = global_batch // (world * batch)
+        _say(t, f"world size {world} differs from the checkpoint's {meta['world_size']}: "
+                f"accumulating {t.accumulate} micro-batches to keep the global batch of "
+                f"{global_batch}")
+
+
+def _check_model_fits(path: Path, saved: dict, live: dict) -> None:
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    shapes = sorted(f"{k} (checkpoint {list(saved[k].shape)}, model {list(live[k].shape)})"
+                    for k in set(saved) & set(live) if saved[k].shape != live[k].shape)
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    for label, keys in (("not in checkpoint", missing), ("not in model", unexpected),
+                        ("shape differs", shapes)):
+        if keys:
+            shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+            parts.append(f"{label}: {shown}")
+    raise CheckpointError(f"checkpoint {path} does not fit the model; " + "; ".join(parts))
