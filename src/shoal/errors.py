@@ -7,3 +7,7 @@ class UsageError(ValueError):
 
 class LaunchError(RuntimeError):
     """The launch could not start (e.g. the requested port is taken)."""
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or Inf loss or gradient with nonfinite='stop'; names the step and the ranks."""

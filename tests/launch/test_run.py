@@ -25,6 +25,9 @@ PLAIN_SCRIPT = textwrap.dedent("""
             "MASTER_PORT", "GROUP_RANK"]
     print("env", *[os.environ[k] for k in keys], "sum", t.item(), "args", *sys.argv[1:])
     mode = sys.argv[1] if len(sys.argv) > 1 else "ok"
+    if mode == "sleep":  # every rank past init, then waiting: a job in full swing
+        open(f"{__file__}.ready{dist.get_rank()}", "w").close()
+        time.sleep(600)
     if dist.get_rank() == 1:
         if mode == "raise":
             raise ValueError("injected failure on rank 1")
@@ -104,13 +107,15 @@ def test_failed_worker_is_named_and_nothing_is_left(script, mode, cause, code):
 
 def test_killing_the_launcher_leaves_no_worker(script):
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", str(script), "raise"],
+        [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", str(script), "sleep"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+    ready = [script.with_name(f"{script.name}.ready{r}") for r in (0, 1)]
     deadline = time.time() + 60
-    while len(processes_with(script.name)) < 3 and time.time() < deadline:
+    while not all(p.exists() for p in ready) and time.time() < deadline:
         time.sleep(0.2)
-    assert len(processes_with(script.name)) >= 3, "workers never started"
+    assert all(p.exists() for p in ready), "workers never got past init_process_group"
+    assert len(processes_with(script.name)) == 3
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(timeout=10)
     deadline = time.time() + 15

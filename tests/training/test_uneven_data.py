@@ -61,6 +61,19 @@ def test_uneven_ranks_finish_together():
     assert [r[:3] for r in results] == [(3, 10, 2), (3, 10, 2)]
     # The replicas never diverged, although the stream's length was not known in advance.
     assert torch.equal(results[0][3], results[1][3])
+    # And they equal one process stepping on batches 0-1, then on batch 2 alone (the short
+    # last window counts as its own length, not as K).
+    batches = list(DataLoader(RankStream(1), batch_size=8))
+    model = make_model()
+    opt = make_optimizer(model)
+    for window in (batches[:2], batches[2:3]):
+        x = torch.cat([b[0] for b in window])
+        y = torch.cat([b[1] for b in window])
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    expected = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert (results[0][3] - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_empty_training_data_is_a_clear_error(single_process):

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from shoal.checkpoint import CheckpointError, CheckpointStore, rng
 from shoal.errors import UsageError
 
@@ -37,8 +39,13 @@ class Checkpointing:
         if self.every and self.trainer.global_step % self.every == 0:
             self.save(consumed)
 
-    def save(self, consumed: int | None) -> Path:
+    def save(self, consumed: int | None) -> Path | None:
         t = self.trainer
+        # Replicas are identical, so every rank reaches the same verdict without talking.
+        if not all(bool(torch.isfinite(p).all()) for p in t.module.parameters()):
+            _say(t, f"not saving step {t.global_step}: the model holds NaN or Inf; the last "
+                    "good checkpoint stays the newest")
+            return None
         shared = {"model": t.module.state_dict(), "optimizer": t.optimizer.state_dict(),
                   "scaler": t.harness.precision.state_dict()}
         if t.lr_scheduler is not None:

@@ -48,6 +48,9 @@ class TrainerConfig(BaseModel):
     """Show a progress bar (rank 0 only)."""
     backend: Literal["gloo", "nccl"] | None = None
     """Process-group backend; default NCCL with CUDA, else gloo."""
+    nonfinite: Literal["skip", "stop"] | None = None
+    """On a NaN/Inf gradient: 'skip' the step on all ranks, 'stop' with an error naming the
+    step and the ranks whose loss was not finite; unset: no check (no cost)."""
     checkpoint_dir: str | None = None
     """Directory of checkpoints (shared by all ranks); none are written when unset."""
     checkpoint_every: int | None = Field(None, gt=0)

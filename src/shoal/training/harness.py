@@ -119,12 +119,28 @@ class Harness:
             yield
 
     def step(self, optimizer: torch.optim.Optimizer, *, model: nn.Module | None = None,
-             clip_grad_norm: float | None = None) -> None:
-        """Optimizer step (unscale, optional clipping, skip on fp16 overflow), then zero_grad."""
-        if clip_grad_norm is not None:
+             clip_grad_norm: float | None = None, check_finite: bool = False) -> bool:
+        """Optimizer step (unscale, optional clipping, skip on fp16 overflow), then zero_grad.
+
+        With ``check_finite``, a NaN or Inf gradient norm skips the step and returns False.
+        Gradients are all-reduced before this, so every rank sees the same norm and every
+        rank skips the same steps.
+        """
+        norm = None
+        if clip_grad_norm is not None or check_finite:
             self.precision.unscale(optimizer)
-            params = model.parameters() if model is not None else (
-                p for group in optimizer.param_groups for p in group["params"])
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            params = list(model.parameters() if model is not None else (
+                p for group in optimizer.param_groups for p in group["params"]))
+            if clip_grad_norm is not None:
+                norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            else:
+                norm = torch.nn.utils.get_total_norm(
+                    [p.grad for p in params if p.grad is not None])
+        if check_finite and not torch.isfinite(norm):
+            if self.precision.scaler is not None:
+                self.precision.scaler.update()  # lower the loss scale, as an overflow does
+            optimizer.zero_grad(set_to_none=True)
+            return False
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        return True

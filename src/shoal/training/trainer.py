@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ from shoal.data.sharding import (
     samples_between,
     set_epoch,
 )
-from shoal.errors import UsageError
+from shoal.errors import NonFiniteError, UsageError
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness, seed_everything
@@ -38,6 +39,14 @@ def _unpack(batch: Any) -> tuple[Any, Any]:
 def _batch_len(batch: Any) -> int:
     inputs = batch[0]
     return inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)
+
+
+def _all_gather_flags(flag: bool) -> list[bool]:
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [flag]
+    flags: list[bool] = [False] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(flags, flag)
+    return flags
 
 
 def _rescale_gradients(model: nn.Module, factor: float) -> None:
@@ -75,6 +84,7 @@ class Trainer:
         self.accumulate = c.accumulate_grad_batches  # resuming on another W may change it
         self._position: int | None = 0  # global samples of the epoch consumed so far
         self.history: list[dict[str, float]] = []
+        self.skipped_steps: list[int] = []  # steps skipped for non-finite gradients
         self.checkpointing = Checkpointing(self, c.checkpoint_dir, c.checkpoint_every,
                                            c.keep_last) if c.checkpoint_dir else None
 
@@ -169,7 +179,7 @@ class Trainer:
             if length is None and position + 1 < k:
                 # The stream ended inside a window: its gradients were divided by k.
                 _rescale_gradients(model, k / (position + 1))
-            self._optimizer_step(position_after(loader, micro_batches))
+            self._optimizer_step(position_after(loader, micro_batches), loss)
             if progress.wants_update():
                 rate = samples * h.world_size / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
@@ -186,6 +196,21 @@ class Trainer:
         train_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
         return {"train_loss": train_loss}, not stopped
 
+    def _non_finite(self, loss: torch.Tensor | None) -> None:
+        """All ranks are here together: their all-reduced gradients are equally bad."""
+        step = self.global_step + 1
+        mine = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+        culprits = [r for r, bad in enumerate(_all_gather_flags(mine)) if bad]
+        where = (f"loss not finite on rank {', '.join(map(str, culprits))}" if culprits
+                 else "loss finite everywhere: a gradient overflowed")
+        if self.config.nonfinite == "stop":
+            raise NonFiniteError(f"non-finite gradients at step {step} ({where}); set "
+                                 "nonfinite='skip' to skip such steps")
+        self.skipped_steps.append(step)
+        if self.harness.is_main:
+            print(f"shoal: skipped step {step}: non-finite gradients ({where})",
+                  file=sys.stderr, flush=True)
+
     def _scaled(self, loss: torch.Tensor, loader: DataLoader, window_start: int, window: int,
                 batch: Any) -> torch.Tensor:
         """The loss to back-propagate so that the window's gradient is its global mean.
@@ -200,9 +225,13 @@ class Trainer:
             return loss / window if window > 1 else loss
         return loss * (share / total)
 
-    def _optimizer_step(self, consumed: int | None) -> None:
-        self.harness.step(self.optimizer, model=self.model,
-                          clip_grad_norm=self.config.clip_grad_norm)
+    def _optimizer_step(self, consumed: int | None, loss: torch.Tensor | None = None) -> None:
+        c = self.config
+        stepped = self.harness.step(self.optimizer, model=self.model,
+                                    clip_grad_norm=c.clip_grad_norm,
+                                    check_finite=c.nonfinite is not None)
+        if not stepped:
+            self._non_finite(loss)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_step += 1
