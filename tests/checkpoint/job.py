@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -80,6 +81,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--no-checkpoints", action="store_true")
+    parser.add_argument("--step-sleep", type=float, default=0.0,
+                        help="seconds each step sleeps (a slow job, to be signalled)")
     args = parser.parse_args()
     out = Path(args.out)
     shoal.init("gloo")
@@ -99,6 +102,12 @@ def main() -> None:
         steps_logged.append((trainer.global_step + 1, sorted(log)))
         log.clear()
     trainer.optimizer.register_step_post_hook(record_step)
+    if args.step_sleep:
+        def slow_down(*_):
+            time.sleep(args.step_sleep)
+            if trainer.global_step + 1 == 3 and shoal.is_main():
+                (out / "ready").touch()  # three steps done: a job in full swing
+        trainer.optimizer.register_step_post_hook(slow_down)
     trainer.fit(dataset(), max_steps=args.steps)
     # Every rank's samples of every step of this attempt, merged on rank 0.
     everyone = shoal.all_gather_object(steps_logged)

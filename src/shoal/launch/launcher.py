@@ -20,6 +20,7 @@ from shoal.launch.config import LaunchSpec
 from shoal.launch.ports import check_port_free
 from shoal.launch.summary import report_failure
 
+SHUTDOWN_TIMEOUT_S = 60
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
@@ -71,6 +72,10 @@ def build_launch_config(spec: LaunchSpec, log_dir: str) -> LaunchConfig:
         monitor_interval=spec.monitor_interval,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL),
         log_line_prefix_template="[rank${rank}]: ",
+        # SIGUSR1 too (SLURM's warning before the end): the agent passes the signal on to
+        # the workers, and gives them time to save a checkpoint before SIGKILL.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         local_addr=spec.master_addr if spec.nnodes == 1 else None,
     )
 
@@ -119,8 +124,9 @@ def launch(spec: LaunchSpec) -> int:
     try:
         elastic_launch(config, sys.executable)(*_worker_argv(spec))
     except SignalException as exc:
-        sys.stderr.write(f"shoal: stopped by {signal.Signals(exc.sigval).name}; "
-                         f"workers were stopped too. Per-rank logs: {log_dir}\n")
+        sys.stderr.write(f"shoal: stopped by {signal.Signals(exc.sigval).name}: the signal "
+                         "went on to the workers (a Trainer with a checkpoint_dir saves "
+                         f"first). Per-rank logs: {log_dir}\n")
         return 128 + exc.sigval
     except ChildFailedError as failed:
         # The logs stay: the summary points to them.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from shoal.errors import NonFiniteError, UsageError
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness, seed_everything
+from shoal.training.preemption import PreemptionWatch
+from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -85,6 +88,7 @@ class Trainer:
         self._position: int | None = 0  # global samples of the epoch consumed so far
         self.history: list[dict[str, float]] = []
         self.skipped_steps: list[int] = []  # steps skipped for non-finite gradients
+        self._preemption: PreemptionWatch | None = None
         self.checkpointing = Checkpointing(self, c.checkpoint_dir, c.checkpoint_every,
                                            c.keep_last) if c.checkpoint_dir else None
 
@@ -116,7 +120,10 @@ class Trainer:
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.harness.is_main)
         metrics: dict[str, float] = {}
+        self._preemption = PreemptionWatch(self.harness.device) if self.checkpointing else None
         try:
+            if self._preemption:
+                self._preemption.__enter__()
             while not self._finished(epochs, max_steps):
                 train, epoch_done = self._train_epoch(loader, progress, max_steps, consumed)
                 consumed = 0
@@ -132,6 +139,8 @@ class Trainer:
                     break
         finally:
             progress.close()
+            if self._preemption:
+                self._preemption.__exit__()
         if self.checkpointing and self.checkpointing.saved_step != self.global_step:
             self.checkpointing.save(consumed)
         return {**metrics, "global_step": self.global_step}
@@ -238,6 +247,19 @@ class Trainer:
         self._position = consumed
         if self.checkpointing:
             self.checkpointing.after_step(consumed)
+            if self._preemption and (signum := self._preemption.should_stop()):
+                self._stop_for(signum, consumed)
+
+    def _stop_for(self, signum: int, consumed: int | None) -> None:
+        """Every rank is here at the same step: save, then exit with 128 + signal."""
+        if self.checkpointing.saved_step != self.global_step:
+            self.checkpointing.save(consumed)
+        name = signal.Signals(signum).name
+        if self.harness.is_main:
+            print(f"shoal: preempted by {name} at step {self.global_step}: checkpoint saved "
+                  f"in {self.checkpointing.store.root}; exiting with code "
+                  f"{preemption_exit_code(signum)}", file=sys.stderr, flush=True)
+        raise SystemExit(preemption_exit_code(signum))
 
     @torch.no_grad()
     def validate(self, val_data: Dataset | DataLoader) -> dict[str, float]:

@@ -1,0 +1,54 @@
+"""Preemption: SIGTERM (or SIGUSR1) to `shoal run` mid-run: a checkpoint at the next step
+boundary, exit code 128 + signal, and the next run resumes exactly."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.checkpoint.test_resume import JOB, _final, _states_equal
+from tests.helpers import REPO, processes_with, run_shoal
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_saves_exits_and_resumes_exactly(tmp_path, sig):
+    run = tmp_path / "run"
+    run.mkdir()
+    cmd = [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", JOB, str(run),
+           "--steps", "500", "--every", "1000", "--step-sleep", "0.05"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    deadline = time.time() + 60
+    while not (run / "ready").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert (run / "ready").exists(), "the job never got going"
+    launcher.send_signal(sig)
+    _, err = launcher.communicate(timeout=90)
+    assert launcher.returncode == 128 + sig, err[-2000:]
+    found = re.search(rf"preempted by {sig.name} at step (\d+)", err)
+    assert found, err[-2000:]
+    stopped_at = int(found.group(1))
+    assert 3 <= stopped_at < 500
+    assert (run / "checkpoints" / f"step_{stopped_at:09d}" / "COMMIT.json").exists()
+    assert processes_with(str(run)) == []
+
+    target = stopped_at + 6
+    out = run_shoal("run", "--nproc-per-node", "2", JOB, str(run), "--steps", str(target),
+                    "--every", "1000")
+    assert out.returncode == 0, out.stderr
+    assert f"resumed from {run}/checkpoints/step_{stopped_at:09d}" in out.stderr
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    out = run_shoal("run", "--nproc-per-node", "2", JOB, str(straight), "--steps", str(target),
+                    "--no-checkpoints")
+    assert out.returncode == 0, out.stderr
+    a, b = _final(straight), _final(run)
+    assert _states_equal(a["model"], b["model"]) and _states_equal(a["optimizer"],
+                                                                   b["optimizer"])
+    assert torch.equal(a["rng"], b["rng"])
