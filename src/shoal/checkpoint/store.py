@@ -54,9 +54,11 @@ def _write_json(path: Path, data: Any) -> None:
 class CheckpointStore:
     """Save and find checkpoints under ``root``; keeps the newest ``keep_last``."""
 
-    def __init__(self, root: str | os.PathLike, keep_last: int = 3):
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3, async_save: bool = False):
         self.root = Path(root)
         self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending: tuple[Any, Path, dict] | None = None  # (future, partial dir, record)
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:09d}"
@@ -68,8 +70,11 @@ class CheckpointStore:
 
         ``shared`` is the same on every rank (model, optimizer, ...); DCP writes each
         replicated tensor once. ``own`` is this rank's alone (its RNG states). ``meta`` is
-        JSON data (counters, config) recorded by rank 0.
+        JSON data (counters, config) recorded by rank 0. With ``async_save`` this returns
+        once the tensors are copied; the files are written in the background and committed
+        by the next ``save`` or by ``wait``.
         """
+        self.wait()
         rank = _rank()
         final = self.path_for(step)
         partial = final.with_name(final.name + ".partial")
@@ -79,22 +84,43 @@ class CheckpointStore:
         _barrier()
         skeleton, tensors = tree.split(shared, "shared")
         own_skeleton, own_tensors = tree.split(own, f"rank{rank}")
-        dcp.save({**tensors, **own_tensors}, checkpoint_id=str(partial))
         own_skeletons = [own_skeleton]
         if dist.is_initialized():
             own_skeletons = [None] * dist.get_world_size()
             dist.all_gather_object(own_skeletons, own_skeleton)
-        if rank == 0:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            _write_json(partial / META, {"step": step, "world_size": world, "meta": meta,
-                                         "shared": skeleton, "ranks": own_skeletons})
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        record = {"step": step, "world_size": world, "meta": meta, "shared": skeleton,
+                  "ranks": own_skeletons}
+        state = {**tensors, **own_tensors}
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(partial))
+            self._pending = (future, partial, record)
+            return final
+        dcp.save(state, checkpoint_id=str(partial))
+        self._commit(partial, record)
+        return final
+
+    def wait(self) -> None:
+        """Finish and commit an asynchronous save in flight (collective); no-op otherwise."""
+        if self._pending is None:
+            return
+        future, partial, record = self._pending
+        self._pending = None
+        future.result()
+        self._commit(partial, record)
+
+    def _commit(self, partial: Path, record: dict) -> None:
+        # Every rank's shards are written before rank 0 writes the marker.
+        _barrier()
+        if _rank() == 0:
+            final = partial.with_name(partial.name.removesuffix(".partial"))
+            _write_json(partial / META, record)
             files = {p.name: p.stat().st_size for p in sorted(partial.iterdir())}
-            _write_json(partial / COMMIT, {"step": step, "files": files})
+            _write_json(partial / COMMIT, {"step": record["step"], "files": files})
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
             self._prune()
         _barrier()
-        return final
 
     def _prune(self) -> None:
         committed = self._step_dirs()

@@ -29,9 +29,10 @@ def _say(trainer: Trainer, message: str) -> None:
 class Checkpointing:
     """The Trainer's checkpoints: when to save, what to save, how to resume."""
 
-    def __init__(self, trainer: Trainer, directory: str, every: int | None, keep_last: int):
+    def __init__(self, trainer: Trainer, directory: str, every: int | None, keep_last: int,
+                 async_save: bool = False):
         self.trainer = trainer
-        self.store = CheckpointStore(directory, keep_last=keep_last)
+        self.store = CheckpointStore(directory, keep_last=keep_last, async_save=async_save)
         self.every = every
         self.saved_step = -1
 

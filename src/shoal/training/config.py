@@ -57,6 +57,8 @@ class TrainerConfig(BaseModel):
     """Save every this many optimizer steps (and at the end of fit)."""
     keep_last: int = Field(3, gt=0)
     """How many complete checkpoints to keep."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background: a step waits only for the copy of the state."""
     resume: str | None = None
     """'auto': continue from the newest complete checkpoint in checkpoint_dir, if any;
     a path: from that checkpoint; unset: start afresh."""

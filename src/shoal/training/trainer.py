@@ -90,7 +90,8 @@ class Trainer:
         self.skipped_steps: list[int] = []  # steps skipped for non-finite gradients
         self._preemption: PreemptionWatch | None = None
         self.checkpointing = Checkpointing(self, c.checkpoint_dir, c.checkpoint_every,
-                                           c.keep_last) if c.checkpoint_dir else None
+                                           c.keep_last, c.async_checkpoint) \
+            if c.checkpoint_dir else None
 
     @property
     def module(self) -> nn.Module:
@@ -141,8 +142,10 @@ class Trainer:
             progress.close()
             if self._preemption:
                 self._preemption.__exit__()
-        if self.checkpointing and self.checkpointing.saved_step != self.global_step:
-            self.checkpointing.save(consumed)
+        if self.checkpointing:
+            if self.checkpointing.saved_step != self.global_step:
+                self.checkpointing.save(consumed)
+            self.checkpointing.store.wait()  # an asynchronous save is committed before return
         return {**metrics, "global_step": self.global_step}
 
     def _finished(self, epochs: int | None, max_steps: int | None) -> bool:
@@ -254,6 +257,7 @@ class Trainer:
         """Every rank is here at the same step: save, then exit with 128 + signal."""
         if self.checkpointing.saved_step != self.global_step:
             self.checkpointing.save(consumed)
+        self.checkpointing.store.wait()
         name = signal.Signals(signum).name
         if self.harness.is_main:
             print(f"shoal: preempted by {name} at step {self.global_step}: checkpoint saved "
