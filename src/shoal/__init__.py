@@ -21,6 +21,7 @@ from shoal.runtime.dist import (  # noqa: E402
     rank,
     world_size,
 )
+from shoal.runtime.heartbeat import heartbeat  # noqa: E402
 from shoal.runtime.info import info  # noqa: E402
 from shoal.runtime.spawn import WorkerFailedError, spawn  # noqa: E402
 from shoal.training.config import TrainerConfig  # noqa: E402
@@ -41,6 +42,7 @@ __all__ = [
     "broadcast_object",
     "cleanup",
     "device",
+    "heartbeat",
     "info",
     "init",
     "is_main",

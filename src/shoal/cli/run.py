@@ -21,6 +21,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart all workers up to K times after a failure (default 0)")
     parser.add_argument("--log-dir", default=None, help="keep one log per rank in DIR")
+    parser.add_argument("--hang-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="report where every rank is and stop the job when no rank made "
+                        "progress for this long (default 600; 0 turns it off)")
+    parser.add_argument("--debug", action="store_true",
+                        help="check each collective across ranks (op, shapes, dtypes)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +58,8 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
         master_port=args.master_port,
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
+        hang_timeout=args.hang_timeout or None,
+        debug=args.debug,
     )
 
 

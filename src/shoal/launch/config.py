@@ -54,6 +54,10 @@ class LaunchSpec:
     """Directory that keeps one stdout/stderr log per rank; a temporary one if not given."""
     monitor_interval: float = 0.1
     """Seconds between checks of the workers' state."""
+    hang_timeout: float | None = 600.0
+    """Report and stop the job when no rank made progress for this long (None: never)."""
+    debug: bool = False
+    """Check every collective across ranks (operation, shapes, dtypes); slower."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -71,6 +75,8 @@ class LaunchSpec:
             raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
         if self.nnodes > 1 and self.master_port is None:
             raise UsageError("--master-port is required when --nnodes is more than 1")
+        if self.hang_timeout is not None and self.hang_timeout <= 0:
+            raise UsageError(f"--hang-timeout must be positive, got {self.hang_timeout}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if not self.module and not os.path.isfile(self.entry):

@@ -17,10 +17,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shoal.errors import UsageError
 from shoal.launch.config import LaunchSpec
+from shoal.launch.hangwatch import HangWatch
 from shoal.launch.ports import check_port_free
 from shoal.launch.summary import report_failure
 
 SHUTDOWN_TIMEOUT_S = 60
+HANG_EXIT_CODE = 124  # as timeout(1)
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
@@ -90,6 +92,18 @@ def _new_log_dir(parent: str | None) -> str:
         raise UsageError(f"--log-dir {parent}: {exc.strerror}") from None
 
 
+def _start_hang_watch(spec: LaunchSpec, log_dir: str) -> HangWatch | None:
+    if spec.hang_timeout is None:
+        return None
+    directory = os.path.join(log_dir, "heartbeats")
+    os.makedirs(directory, exist_ok=True)
+    os.environ["SHOAL_HEARTBEAT_DIR"] = directory  # the workers inherit it
+    first = spec.node_rank * spec.nproc_per_node
+    watch = HangWatch(directory, range(first, first + spec.nproc_per_node), spec.hang_timeout)
+    watch.start()
+    return watch
+
+
 def _worker_argv(spec: LaunchSpec) -> list[str]:
     argv = ["-m", "shoal.launch.worker"]
     if spec.module:
@@ -121,6 +135,10 @@ def launch(spec: LaunchSpec) -> int:
     # failure summary never reads an older job's error files.
     log_dir = _new_log_dir(spec.log_dir)
     config = build_launch_config(spec, log_dir)
+    if spec.debug:
+        # torch checks every collective's fingerprint across ranks and names a mismatch.
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    watch = _start_hang_watch(spec, log_dir)
     try:
         elastic_launch(config, sys.executable)(*_worker_argv(spec))
     except SignalException as exc:
@@ -129,8 +147,17 @@ def launch(spec: LaunchSpec) -> int:
                          f"first). Per-rank logs: {log_dir}\n")
         return 128 + exc.sigval
     except ChildFailedError as failed:
+        if watch is not None and watch.report is not None:
+            # The report itself was printed when the hang was found.
+            sys.stderr.write("shoal: the job was stopped by the hang watch (--hang-timeout). "
+                             f"Every rank's stack: {log_dir}/heartbeats/rank*.stack; "
+                             f"per-rank logs: {log_dir}\n")
+            return HANG_EXIT_CODE
         # The logs stay: the summary points to them.
         return report_failure(failed, log_dir, first_rank=spec.node_rank * spec.nproc_per_node)
+    finally:
+        if watch is not None:
+            watch.stop()
     if spec.log_dir is None:
         shutil.rmtree(log_dir, ignore_errors=True)  # output was shown; nothing to keep
     return 0

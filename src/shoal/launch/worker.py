@@ -72,6 +72,9 @@ def main() -> None:
     _die_with_launcher()
     # Worker output goes to files: line buffering keeps it live and loses nothing on exit.
     sys.stdout.reconfigure(line_buffering=True)
+    from shoal.runtime import heartbeat
+
+    heartbeat.enable_from_environment()
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
     try:

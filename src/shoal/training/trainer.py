@@ -22,6 +22,7 @@ from shoal.data.sharding import (
     set_epoch,
 )
 from shoal.errors import NonFiniteError, UsageError
+from shoal.runtime.heartbeat import heartbeat
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness, seed_everything
@@ -247,6 +248,7 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_step += 1
+        heartbeat(self.global_step)
         self._position = consumed
         if self.checkpointing:
             self.checkpointing.after_step(consumed)
@@ -277,6 +279,7 @@ class Trainer:
         totals = torch.zeros(3, device=h.device, dtype=torch.float64)
         classify = True
         for batch in loader:
+            heartbeat(self.global_step)  # a long validation is progress too
             inputs, targets = _unpack(h.to_device(batch))
             with h.autocast():
                 outputs = module(inputs)

@@ -1,0 +1,129 @@
+"""The launcher's hang watch: no rank made progress for too long, so say where each one is.
+
+A thread in the launcher reads the ranks' heartbeats (see shoal.runtime.heartbeat). When the
+newest beat of any rank is older than the timeout, it asks every rank for its stacks, prints
+one report (who is inside which collective, who is elsewhere and where), and kills the
+workers, so the job ends instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from shoal.runtime import heartbeat
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_COLLECTIVE_FILE = "torch/distributed/distributed_c10d.py"
+_LIBRARY = ("/torch/", "/shoal/", "/site-packages/", "<frozen", "/threading.py")
+
+
+@dataclass
+class RankPosition:
+    rank: int
+    step: int
+    collective: str | None
+    where: str
+
+    def describe(self) -> str:
+        if self.collective:
+            return (f"rank {self.rank}: inside {self.collective} at {self.where} "
+                    f"(waiting for the other ranks; last step {self.step})")
+        return f"rank {self.rank}: not in a collective, at {self.where} (last step {self.step})"
+
+
+def main_thread_frames(dump: str) -> list[tuple[str, int, str]]:
+    """(file, line, function) of the dumped main thread, most recent first."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip())
+    # faulthandler runs in the main thread: its block is 'Current thread', else the last.
+    block = next((b for b in reversed(blocks) if b.startswith("Current thread")), blocks[-1])
+    frames = []
+    for line in block.splitlines():
+        found = _FRAME.match(line)
+        if found:
+            frames.append((found["file"], int(found["line"]), found["func"]))
+    return frames
+
+
+def locate(rank: int, step: int, dump: str) -> RankPosition:
+    frames = main_thread_frames(dump)
+    collective = next((func for file, _, func in frames
+                       if file.replace(os.sep, "/").endswith(_COLLECTIVE_FILE)
+                       and not func.startswith("_")), None)
+    if collective is None and any(func == "backward" for _, _, func in frames):
+        collective = "backward (DDP's gradient all-reduce)"
+    user = next(((f, n, fn) for f, n, fn in frames if not any(p in f for p in _LIBRARY)),
+                frames[0] if frames else ("?", 0, "?"))
+    return RankPosition(rank, step, collective, f"{user[0]}:{user[1]} in {user[2]}")
+
+
+def report(positions: list[RankPosition], timeout: float) -> str:
+    outside = [p for p in positions if p.collective is None]
+    inside = [p for p in positions if p.collective is not None]
+    lines = [f"shoal: hang: no rank made progress for {timeout:g} s"]
+    kinds = {p.collective for p in inside}
+    if outside and inside:
+        lines.append("  stuck: rank " + ", ".join(str(p.rank) for p in outside)
+                     + " (not in a collective while the others wait in one)")
+    elif len(kinds) > 1:
+        lines.append("  mismatch: ranks wait in different collectives ("
+                     + ", ".join(sorted(kinds)) + ")")
+    lines.extend("  " + p.describe() for p in sorted(positions, key=lambda p: p.rank))
+    return "\n".join(lines)
+
+
+class HangWatch(threading.Thread):
+    """Watches the heartbeats of this node's ranks; on a hang, reports and kills them."""
+
+    def __init__(self, directory: str, ranks: range, timeout: float, poll: float = 0.5):
+        super().__init__(daemon=True, name="shoal-hang-watch")
+        self.directory = directory
+        self.ranks = ranks
+        self.timeout = timeout
+        self.poll = poll
+        self.report: str | None = None
+        self._stop = threading.Event()
+        self._killed: set[int] = set()  # pids already diagnosed (a restart brings new ones)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.poll):
+            beats = {r: heartbeat.read(heartbeat.beat_path(self.directory, r))
+                     for r in self.ranks}
+            if any(b is None or b[2] in self._killed for b in beats.values()):
+                continue  # not all ranks started (or a restart is under way)
+            if not any(step >= 0 for _, step, _ in beats.values()):
+                continue  # not armed: no rank has beaten yet
+            newest = max(t for t, _, _ in beats.values())
+            if time.time() - newest > self.timeout:
+                self._diagnose(beats)
+
+    def _diagnose(self, beats: dict[int, tuple[float, int, int]]) -> None:
+        for rank, (_, _, pid) in beats.items():
+            open(heartbeat.stack_path(self.directory, rank), "w").close()
+            _signal(pid, heartbeat.STACK_SIGNAL)
+        time.sleep(1.0)  # the dumps are written by a C handler, almost at once
+        positions = []
+        for rank, (_, step, _) in beats.items():
+            with open(heartbeat.stack_path(self.directory, rank), errors="replace") as f:
+                positions.append(locate(rank, step, f.read()))
+        text = report(positions, self.timeout)
+        self.report = self.report or text
+        print(text, file=sys.stderr, flush=True)
+        for _, _, pid in beats.values():
+            self._killed.add(pid)
+            _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
