@@ -76,6 +76,8 @@ def test_model_that_does_not_fit_lists_the_keys(tmp_path, single_process):
     trainer = shoal.Trainer(model, make_optimizer(model), progress=False,
                             checkpoint_dir=str(tmp_path), checkpoint_every=2)
     trainer.fit(make_dataset(), max_steps=2)
+    _, _, meta = trainer.checkpointing.store.load(trainer.checkpointing.store.latest())
+    assert meta["trainer_config"]["checkpoint_every"] == 2 and meta["global_step"] == 2
     other = torch.nn.Sequential(torch.nn.Linear(10, 17), torch.nn.Tanh(),
                                 torch.nn.Linear(17, 3), torch.nn.Linear(3, 3))
     again = shoal.Trainer(other, make_optimizer(other), progress=False,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shoal.checkpoint import tree
 
@@ -59,6 +60,7 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.async_save = async_save
         self._pending: tuple[Any, Path, dict] | None = None  # (future, partial dir, record)
+        self._stager: DefaultStager | None = None
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:09d}"
@@ -93,12 +95,25 @@ class CheckpointStore:
                   "ranks": own_skeletons}
         state = {**tensors, **own_tensors}
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(partial))
+            future = dcp.async_save(state, checkpoint_id=str(partial),
+                                    async_stager=self._staging_buffers())
             self._pending = (future, partial, record)
             return final
         dcp.save(state, checkpoint_id=str(partial))
         self._commit(partial, record)
         return final
+
+    def _staging_buffers(self) -> DefaultStager:
+        """One stager for the store's life: its copy buffers are reused from save to save,
+        so after the first save a step waits only for a memory copy (at the price of a
+        second copy of the state kept in memory). The copy completes before save returns,
+        so training may change the weights right after."""
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=cuda))
+        return self._stager
 
     def wait(self) -> None:
         """Finish and commit an asynchronous save in flight (collective); no-op otherwise."""

@@ -9,6 +9,7 @@ adjusted where it divides, and a clear error says what to change where it does n
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,11 +31,23 @@ class Checkpointing:
     """The Trainer's checkpoints: when to save, what to save, how to resume."""
 
     def __init__(self, trainer: Trainer, directory: str, every: int | None, keep_last: int,
-                 async_save: bool = False):
+                 async_save: bool = False, every_seconds: float | None = None):
         self.trainer = trainer
         self.store = CheckpointStore(directory, keep_last=keep_last, async_save=async_save)
         self.every = every
+        self.every_seconds = every_seconds
         self.saved_step = -1
+        self.saved_at = time.monotonic()
+        self._requested = False  # a timed save was asked for and has not happened yet
+
+    def time_due(self) -> bool:
+        """Rank 0's clock says a timed checkpoint is due (the ranks then agree on a step);
+        said once, until the save happens."""
+        due = (self.every_seconds is not None and self.trainer.harness.is_main
+               and not self._requested
+               and time.monotonic() - self.saved_at >= self.every_seconds)
+        self._requested = self._requested or due
+        return due
 
     def after_step(self, consumed: int | None) -> None:
         if self.every and self.trainer.global_step % self.every == 0:
@@ -56,9 +69,12 @@ class Checkpointing:
                 # None: the loader cannot resume mid-epoch; the epoch restarts instead.
                 "consumed": consumed, "batch_size": c.batch_size,
                 "global_batch": t.harness.world_size * c.batch_size * t.accumulate,
-                "seed": c.seed}
+                "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
+                "run_config": t.run_config}
         path = self.store.save(t.global_step, shared, {"rng": rng.capture()}, meta)
         self.saved_step = t.global_step
+        self.saved_at = time.monotonic()
+        self._requested = False
         return path
 
     def resume(self, source: str) -> int:

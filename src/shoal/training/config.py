@@ -55,6 +55,8 @@ class TrainerConfig(BaseModel):
     """Directory of checkpoints (shared by all ranks); none are written when unset."""
     checkpoint_every: int | None = Field(None, gt=0)
     """Save every this many optimizer steps (and at the end of fit)."""
+    checkpoint_every_seconds: float | None = Field(None, gt=0)
+    """Also save when this many seconds passed since the last save (rank 0's clock)."""
     keep_last: int = Field(3, gt=0)
     """How many complete checkpoints to keep."""
     async_checkpoint: bool = False
@@ -65,8 +67,10 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _checkpoint_settings(self) -> TrainerConfig:
-        if (self.checkpoint_every or self.resume == "auto") and not self.checkpoint_dir:
-            raise ValueError("checkpoint_every and resume='auto' need checkpoint_dir")
+        if (self.checkpoint_every or self.checkpoint_every_seconds or self.resume == "auto"
+                ) and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every(_seconds) and resume='auto' need "
+                             "checkpoint_dir")
         return self
 
     @field_validator("precision", mode="before")

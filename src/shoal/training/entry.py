@@ -27,6 +27,7 @@ def train_from_config(config: RunConfig) -> dict[str, float]:
     loss_fn = build(config.loss) if config.loss else None
     trainer = Trainer(model, optimizer, loss_fn=loss_fn, lr_scheduler=scheduler,
                       **config.trainer.model_dump())
+    trainer.run_config = config.model_dump(mode="json")
     metrics = trainer.fit(train_data, val_data)
     if rt.is_main():
         path = Path(config.run.dir) / "metrics.json"

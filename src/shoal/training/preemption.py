@@ -3,7 +3,8 @@
 SIGTERM and SIGUSR1 (what SLURM sends before a job's time runs out, with --signal) are
 handled while the Trainer fits with a checkpoint directory. Ranks agree through an
 all-reduce started after each optimizer step and waited for after the next one, so the
-check never blocks a step: the job stops at most two steps after the signal.
+check never blocks a step: the job stops at most two steps after the signal. The same
+all-reduce carries rank 0's "a timed checkpoint is due", so all ranks save at one step.
 """
 
 from __future__ import annotations
@@ -46,23 +47,22 @@ class PreemptionWatch:
     def _on_signal(self, signum: int, frame: object) -> None:
         self.received = signum
 
-    def _settle(self) -> int:
-        """Wait for the outstanding agreement; the largest signal number any rank saw."""
+    def _settle(self) -> tuple[int, int]:
+        """Wait for the outstanding agreement: (largest signal any rank saw, save due)."""
         if self._pending is None:
-            return 0
-        work, flag = self._pending
+            return 0, 0
+        work, flags = self._pending
         self._pending = None
         work.wait()
-        return int(flag.item())
+        signum, due = flags.tolist()
+        return int(signum), int(due)
 
-    def should_stop(self) -> int:
-        """At a step boundary: the signal to stop for (agreed by all ranks), or 0."""
-        mine = self.received or 0
+    def poll(self, save_due: bool = False) -> tuple[int, bool]:
+        """At a step boundary: (signal to stop for, whether to save now), agreed by all."""
+        mine = [self.received or 0, int(save_due)]
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return mine
-        agreed = self._settle()
-        if agreed:
-            return agreed
-        flag = torch.tensor([mine], device=self.device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        return 0
+            return mine[0], bool(mine[1])
+        signum, due = self._settle()
+        flags = torch.tensor(mine, device=self.device)
+        self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags)
+        return signum, bool(due)

@@ -90,9 +90,10 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.skipped_steps: list[int] = []  # steps skipped for non-finite gradients
         self._preemption: PreemptionWatch | None = None
-        self.checkpointing = Checkpointing(self, c.checkpoint_dir, c.checkpoint_every,
-                                           c.keep_last, c.async_checkpoint) \
-            if c.checkpoint_dir else None
+        self.run_config: dict | None = None  # the resolved run config, kept in checkpoints
+        self.checkpointing = Checkpointing(
+            self, c.checkpoint_dir, c.checkpoint_every, c.keep_last, c.async_checkpoint,
+            c.checkpoint_every_seconds) if c.checkpoint_dir else None
 
     @property
     def module(self) -> nn.Module:
@@ -252,8 +253,12 @@ class Trainer:
         self._position = consumed
         if self.checkpointing:
             self.checkpointing.after_step(consumed)
-            if self._preemption and (signum := self._preemption.should_stop()):
-                self._stop_for(signum, consumed)
+            if self._preemption:
+                signum, save_now = self._preemption.poll(self.checkpointing.time_due())
+                if save_now and self.checkpointing.saved_step != self.global_step:
+                    self.checkpointing.save(consumed)
+                if signum:
+                    self._stop_for(signum, consumed)
 
     def _stop_for(self, signum: int, consumed: int | None) -> None:
         """Every rank is here at the same step: save, then exit with 128 + signal."""
