@@ -108,3 +108,19 @@ def test_objects_that_would_need_pickle_are_refused():
     back = tree.join(skeleton, tensors)
     assert back["a"][0] == 1 and back["a"][1][0] == 2.5 and back["a"][1][1] != back["a"][1][1]
     assert torch.equal(back[3], torch.ones(2))
+
+
+def test_resume_that_cannot_keep_the_global_batch_says_what_to_change(tmp_path,
+                                                                      single_process):
+    from shoal.errors import UsageError
+
+    model = make_model()
+    trainer = shoal.Trainer(model, make_optimizer(model), progress=False, batch_size=8,
+                            accumulate_grad_batches=3, checkpoint_dir=str(tmp_path),
+                            checkpoint_every=2)
+    trainer.fit(make_dataset(), max_steps=2)   # global batch 24
+    model = make_model()
+    again = shoal.Trainer(model, make_optimizer(model), progress=False, batch_size=5,
+                          checkpoint_dir=str(tmp_path), resume="auto")
+    with pytest.raises(UsageError, match="global batch is 24 samples.*batch_size"):
+        again.fit(make_dataset(), max_steps=4)
