@@ -32,13 +32,14 @@ class PreemptionWatch:
         self._previous: dict[int, object] = {}
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
-    def __enter__(self) -> PreemptionWatch:
+    def start(self) -> None:
+        """Catch the signals (only the main thread may install handlers)."""
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """Finish the agreement in flight and give the signals back their old handlers."""
         self._settle()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

@@ -126,7 +126,7 @@ class Trainer:
         self._preemption = PreemptionWatch(self.harness.device) if self.checkpointing else None
         try:
             if self._preemption:
-                self._preemption.__enter__()
+                self._preemption.start()
             while not self._finished(epochs, max_steps):
                 train, epoch_done = self._train_epoch(loader, progress, max_steps, consumed)
                 consumed = 0
@@ -143,7 +143,7 @@ class Trainer:
         finally:
             progress.close()
             if self._preemption:
-                self._preemption.__exit__()
+                self._preemption.stop()
         if self.checkpointing:
             if self.checkpointing.saved_step != self.global_step:
                 self.checkpointing.save(consumed)
@@ -180,11 +180,13 @@ class Trainer:
             # An unsized loader's window length is known only at its end (see below).
             window = k if length is None else min(k, length - (i - position))
             step_now = position == window - 1 or last_batch
+            if position == 0:  # the window's global sample count, once per window
+                window_samples = samples_between(loader, i, i + window)
             inputs, targets = _unpack(h.to_device(batch))
             with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
                 with h.autocast():
                     loss = self.loss_fn(model(inputs), targets)
-                h.backward(self._scaled(loss, loader, i - position, window, batch))
+                h.backward(self._scaled(loss, window, window_samples, batch))
             loss_sum += loss.detach()
             micro_batches += 1
             samples += _batch_len(batch)
@@ -225,15 +227,14 @@ class Trainer:
             print(f"shoal: skipped step {step}: non-finite gradients ({where})",
                   file=sys.stderr, flush=True)
 
-    def _scaled(self, loss: torch.Tensor, loader: DataLoader, window_start: int, window: int,
+    def _scaled(self, loss: torch.Tensor, window: int, total: int | None,
                 batch: Any) -> torch.Tensor:
         """The loss to back-propagate so that the window's gradient is its global mean.
 
         DDP averages over ranks, so with equal shares dividing by the window length is
         exact. A short final global batch gives ranks unequal shares: each rank's loss then
-        counts by its share of the window's samples.
+        counts by its share of the window's ``total`` samples (None: unknown, assume equal).
         """
-        total = samples_between(loader, window_start, window_start + window)
         share = _batch_len(batch) * self.harness.world_size
         if total is None or share * window == total:
             return loss / window if window > 1 else loss
