@@ -13,6 +13,8 @@ def usage_error(exc: ValidationError, prefix: str = "") -> UsageError:
         key = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
         if err["type"] == "extra_forbidden":
             parts.append(f"{key}: unknown key")
+        elif err["type"] == "value_error":  # a rule across settings: its message says it all
+            parts.append(f"{key}: {err['msg'].removeprefix('Value error, ')}")
         else:
             parts.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
     return UsageError("invalid configuration: " + "; ".join(parts))

@@ -39,6 +39,7 @@ class Checkpointing:
         self.saved_step = -1
         self.saved_at = time.monotonic()
         self._requested = False  # a timed save was asked for and has not happened yet
+        self.local = trainer.config.strategy in ("local_sgd", "diloco")
 
     def time_due(self) -> bool:
         """Rank 0's clock says a timed checkpoint is due (the ranks then agree on a step);
@@ -60,8 +61,11 @@ class Checkpointing:
             _say(t, f"not saving step {t.global_step}: the model holds NaN or Inf; the last "
                     "good checkpoint stays the newest")
             return None
-        shared = {"model": t.module.state_dict(), "optimizer": t.optimizer.state_dict(),
-                  "scaler": t.harness.precision.state_dict()}
+        shared = {"scaler": t.harness.precision.state_dict()}
+        own = {"rng": rng.capture(), "comm": t.harness.comm_state_dict()}
+        # Under local_sgd / diloco every rank holds its own replica and optimizer state.
+        replicas = own if self.local else shared
+        replicas.update(model=t.module.state_dict(), optimizer=t.optimizer.state_dict())
         if t.lr_scheduler is not None:
             shared["lr_scheduler"] = t.lr_scheduler.state_dict()
         c = t.config
@@ -71,7 +75,7 @@ class Checkpointing:
                 "global_batch": t.harness.world_size * c.batch_size * t.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
                 "run_config": t.run_config}
-        path = self.store.save(t.global_step, shared, {"rng": rng.capture()}, meta)
+        path = self.store.save(t.global_step, shared, own, meta)
         self.saved_step = t.global_step
         self.saved_at = time.monotonic()
         self._requested = False
@@ -88,20 +92,53 @@ class Checkpointing:
             _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
             return 0
         shared, own, meta = self.store.load(path)
-        _check_model_fits(path, shared["model"], t.module.state_dict())
-        t.module.load_state_dict(shared["model"])
-        t.optimizer.load_state_dict(shared["optimizer"])
+        replicas = self._replicas(path, shared, own, meta)
+        _check_model_fits(path, replicas["model"], t.module.state_dict())
+        t.module.load_state_dict(replicas["model"])
+        t.optimizer.load_state_dict(replicas["optimizer"])
         t.harness.precision.load_state_dict(shared["scaler"])
         if t.lr_scheduler is not None and "lr_scheduler" in shared:
             t.lr_scheduler.load_state_dict(shared["lr_scheduler"])
         if own is not None:
             rng.restore(own["rng"])
+        self._restore_comm(own, meta)
         t.global_step, t.epoch = meta["global_step"], meta["epoch"]
         self.saved_step = t.global_step
         self._keep_global_batch(meta)
         _say(t, f"resumed from {path} (step {t.global_step}, epoch {t.epoch}, "
                 f"saved by {meta['world_size']} processes)")
         return meta["consumed"] or 0
+
+    def _restore_comm(self, own: dict | None, meta: dict) -> None:
+        """The compression's or weight averaging's state, when it can continue exactly."""
+        t = self.trainer
+        saved = (own or {}).get("comm") or {}
+        if not saved.get("state"):
+            return
+        if saved["kind"] != t.harness.comm_kind:
+            _say(t, f"the checkpoint's {saved['kind']} state does not apply to "
+                    f"{t.harness.comm_kind}: starting it afresh")
+        elif meta["world_size"] != t.harness.world_size:
+            _say(t, f"world size {t.harness.world_size} differs from the checkpoint's "
+                    f"{meta['world_size']}: the per-rank {saved['kind']} state (error "
+                    "feedback) starts afresh")
+        else:
+            t.harness.load_comm_state_dict(saved["state"])
+
+    def _replicas(self, path: Path, shared: dict, own: dict | None, meta: dict) -> dict:
+        """Where model and optimizer state are: shared, or per rank (local_sgd, diloco)."""
+        if "model" in shared:  # one replica: every strategy can start from it
+            return shared
+        strategy = self.trainer.config.strategy
+        if not self.local:
+            raise UsageError(f"checkpoint {path} holds one replica per process (saved under "
+                             f"local_sgd or diloco); strategy '{strategy}' cannot continue "
+                             "it: resume with the strategy that saved it")
+        if own is None or meta["world_size"] != self.trainer.harness.world_size:
+            raise UsageError(f"checkpoint {path} holds one replica per process of "
+                             f"{meta['world_size']} (strategy '{strategy}'); resume it with "
+                             f"{meta['world_size']} processes")
+        return own
 
     def _keep_global_batch(self, meta: dict) -> None:
         t = self.trainer

@@ -14,6 +14,8 @@ from pydantic import (
 )
 
 from shoal.config.errors import usage_error
+from shoal.parallel.averaging import DiLoCoConfig, LocalSGDConfig
+from shoal.parallel.compression import CompressionConfig
 from shoal.parallel.ddp import DDPConfig
 
 Precision = Literal["32", "bf16-mixed", "fp16-mixed"]
@@ -24,10 +26,18 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    strategy: Literal["ddp"] = "ddp"
-    """How the model is spread over processes: 'ddp' replicates it and all-reduces gradients."""
+    strategy: Literal["ddp", "local_sgd", "diloco"] = "ddp"
+    """How the model is spread over processes: 'ddp' replicates it and all-reduces
+    gradients every step; 'local_sgd' and 'diloco' let each rank train its own replica and
+    average the weights every few steps."""
     ddp: DDPConfig = Field(default_factory=DDPConfig)
     """Settings of the 'ddp' strategy."""
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    """How 'ddp' sends gradients: none, fp16, bf16, powersgd or topk (see CompressionConfig)."""
+    local_sgd: LocalSGDConfig = Field(default_factory=LocalSGDConfig)
+    """Settings of the 'local_sgd' strategy."""
+    diloco: DiLoCoConfig = Field(default_factory=DiLoCoConfig)
+    """Settings of the 'diloco' strategy."""
     precision: Precision = "32"
     """'32' (full), 'bf16-mixed' (bf16 autocast), 'fp16-mixed' (fp16 autocast + grad scaler)."""
     batch_size: int = Field(32, gt=0)
@@ -64,6 +74,18 @@ class TrainerConfig(BaseModel):
     resume: str | None = None
     """'auto': continue from the newest complete checkpoint in checkpoint_dir, if any;
     a path: from that checkpoint; unset: start afresh."""
+
+    @model_validator(mode="after")
+    def _strategy_settings(self) -> TrainerConfig:
+        name = self.compression.name
+        if name != "none" and self.strategy != "ddp":
+            raise ValueError(f"compression '{name}' compresses DDP's gradient all-reduce; "
+                             f"strategy '{self.strategy}' all-reduces no gradients (use "
+                             "strategy 'ddp', or compression 'none')")
+        if self.nonfinite is not None and self.strategy != "ddp":
+            raise ValueError(f"nonfinite needs the same gradients on every rank; with "
+                             f"strategy '{self.strategy}' each rank has its own (unset it)")
+        return self
 
     @model_validator(mode="after")
     def _checkpoint_settings(self) -> TrainerConfig:

@@ -25,7 +25,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from shoal.data.sharding import shard_dataloader
+from shoal.parallel.averaging import (
+    DiLoCoConfig,
+    LocalSGDConfig,
+    apply_diloco,
+    apply_local_sgd,
+)
+from shoal.parallel.compression import CompressionConfig, apply_compression
 from shoal.parallel.ddp import DDPConfig, apply_ddp
+from shoal.parallel.traffic import Traffic
 from shoal.runtime import dist as rt
 from shoal.training.precision import Precision
 
@@ -52,16 +60,25 @@ class Harness:
     """Wraps model, optimizer and data for the chosen strategy and precision."""
 
     def __init__(self, strategy: str = "ddp", precision: str = "32", *,
-                 backend: str | None = None, ddp: DDPConfig | None = None, seed: int = 0):
+                 backend: str | None = None, ddp: DDPConfig | dict | None = None,
+                 compression: CompressionConfig | dict | str | None = None,
+                 local_sgd: LocalSGDConfig | dict | None = None,
+                 diloco: DiLoCoConfig | dict | None = None, seed: int = 0):
         from shoal.training.config import TrainerConfig
 
         # Validate through the same schema as the Trainer, so both reject the same inputs.
+        options = {"ddp": ddp, "compression": compression, "local_sgd": local_sgd,
+                   "diloco": diloco}
         config = TrainerConfig.build(strategy=strategy, precision=precision, backend=backend,
-                                     ddp=ddp or DDPConfig(), seed=seed)
+                                     seed=seed,
+                                     **{k: v for k, v in options.items() if v is not None})
         self.config = config
         self.env = rt.init(config.backend)
         self.device = rt.device()
         self.precision = Precision(config.precision, self.device)
+        self.traffic = Traffic(self.env.world_size)
+        self.comm = None  # the compression hook's or the weight averaging's state
+        self.last_comm = (0.0, 0.0)  # (bytes sent, seconds waited) by the last step
 
     @property
     def rank(self) -> int:
@@ -82,9 +99,31 @@ class Harness:
         DDP broadcasts rank 0's parameters, so every rank starts from the same weights.
         ``Module.to`` keeps the same Parameter objects, so ``optimizer`` stays valid.
         """
+        c = self.config
         model = model.to(self.device)
-        model = apply_ddp(model, self.device, self.config.ddp)
+        if c.strategy == "local_sgd":
+            self.comm = apply_local_sgd(model, c.local_sgd, self.traffic)
+        elif c.strategy == "diloco":
+            self.comm = apply_diloco(model, c.diloco, self.traffic)
+        else:
+            model = apply_ddp(model, self.device, c.ddp)
+            self.comm = apply_compression(model, c.compression, self.traffic, seed=c.seed)
         return model, optimizer
+
+    @property
+    def comm_kind(self) -> str:
+        """The strategy, and for 'ddp' the compression: 'ddp/topk', 'diloco', ..."""
+        c = self.config
+        return f"ddp/{c.compression.name}" if c.strategy == "ddp" else c.strategy
+
+    def comm_state_dict(self) -> dict:
+        """State of the compression or weight averaging (checkpointed per rank)."""
+        state = self.comm.state_dict() if self.comm is not None else {}
+        return {"kind": self.comm_kind, "state": state}
+
+    def load_comm_state_dict(self, state: dict) -> None:
+        if self.comm is not None:
+            self.comm.load_state_dict(state)
 
     def setup_dataloader(self, data: Dataset | DataLoader, batch_size: int = 32, *,
                          shuffle: bool = True, evaluation: bool = False,
@@ -140,7 +179,11 @@ class Harness:
             if self.precision.scaler is not None:
                 self.precision.scaler.update()  # lower the loss scale, as an overflow does
             optimizer.zero_grad(set_to_none=True)
+            self.last_comm = self.traffic.end_step()
             return False
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        if hasattr(self.comm, "after_step"):  # local_sgd / diloco meet every few steps
+            self.comm.after_step()
+        self.last_comm = self.traffic.end_step()
         return True

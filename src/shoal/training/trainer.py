@@ -74,7 +74,8 @@ class Trainer:
         self.config = TrainerConfig.build(**settings)
         c = self.config
         self.harness = Harness(c.strategy, c.precision, backend=c.backend, ddp=c.ddp,
-                               seed=c.seed)
+                               compression=c.compression, local_sgd=c.local_sgd,
+                               diloco=c.diloco, seed=c.seed)
         # Each rank gets its own stream of random numbers (dropout); the data order comes
         # from the sampler's seed and is the same on every rank.
         seed_everything(c.seed + self.harness.rank)
@@ -172,7 +173,8 @@ class Trainer:
             consumed = 0  # this loader cannot start mid-epoch: the epoch starts over
         length = agreed_length(loader, h.device)
         loss_sum = torch.zeros((), device=h.device, dtype=torch.float64)
-        micro_batches = samples = 0
+        micro_batches = samples = steps = 0
+        sent = waited = 0.0
         start = time.perf_counter()
         stopped = False
         for i, (batch, last_batch) in enumerate(agreed_batches(loader, length, h.device)):
@@ -196,6 +198,8 @@ class Trainer:
                 # The stream ended inside a window: its gradients were divided by k.
                 _rescale_gradients(model, k / (position + 1))
             self._optimizer_step(position_after(loader, micro_batches), loss)
+            steps += 1
+            sent, waited = sent + h.last_comm[0], waited + h.last_comm[1]
             if progress.wants_update():
                 rate = samples * h.world_size / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
@@ -210,7 +214,12 @@ class Trainer:
         if h.world_size > 1:
             torch.distributed.all_reduce(totals)
         train_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
-        return {"train_loss": train_loss}, not stopped
+        metrics = {"train_loss": train_loss}
+        if steps:  # this rank's view; the bytes are the same on every rank
+            metrics.update(step_time_s=(time.perf_counter() - start) / steps,
+                           comm_bytes_per_step=sent / steps,
+                           comm_wait_s_per_step=waited / steps)
+        return metrics, not stopped
 
     def _non_finite(self, loss: torch.Tensor | None) -> None:
         """All ranks are here together: their all-reduced gradients are equally bad."""
@@ -312,4 +321,6 @@ class Trainer:
             parts.append(f"val_loss {metrics['val_loss']:.4f}")
         if "val_accuracy" in metrics:
             parts.append(f"val_accuracy {metrics['val_accuracy']:.2%}")
+        if metrics.get("comm_bytes_per_step"):
+            parts.append(f"sent {metrics['comm_bytes_per_step'] / 1e3:.1f} kB/step")
         print(" · ".join(parts), flush=True)

@@ -1,0 +1,94 @@
+"""Gradient compression for DDP, as communication hooks, with every byte counted.
+
+    none      all-reduce of the gradient as it is (torch's allreduce hook)
+    fp16/bf16 all-reduce in half precision: half the bytes (torch's compress hooks)
+    powersgd  low-rank PowerSGD with error feedback and warm start (torch's hook)
+    topk      the ratio of largest entries, with error feedback (shoal.parallel.topk)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from shoal.parallel.powersgd import PowerSGDHook
+from shoal.parallel.topk import TopKHook
+from shoal.parallel.traffic import Traffic, all_reduce_bytes
+
+CompressionName = Literal["none", "fp16", "bf16", "powersgd", "topk"]
+
+
+class CompressionConfig(BaseModel):
+    """How DDP sends gradients. Also accepted as a bare name: ``compression: topk``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: CompressionName = "none"
+    """'none', 'fp16', 'bf16', 'powersgd' or 'topk'."""
+    rank: int = Field(1, ge=1)
+    """powersgd: rank of the low-rank approximation (higher: more bytes, more accurate)."""
+    warmup_steps: int = Field(10, ge=2)
+    """powersgd: steps of plain all-reduce before compressing (at least 2: DDP settles its
+    buckets in the first step)."""
+    ratio: float = Field(0.01, gt=0, le=1)
+    """topk: fraction of gradient entries each rank sends per step, in (0, 1]."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+
+class _Counted:
+    """torch's all-reduce hooks (plain, fp16, bf16), with their bytes and wait counted."""
+
+    def __init__(self, name: str, traffic: Traffic, group: dist.ProcessGroup | None):
+        self.inner = {"none": default_hooks.allreduce_hook,
+                      "fp16": default_hooks.fp16_compress_hook,
+                      "bf16": default_hooks.bf16_compress_hook}[name]
+        self.wire_bytes = {"none": None, "fp16": 2, "bf16": 2}[name]
+        self.traffic = traffic
+        self.group = group
+        self.world = dist.get_world_size(group)
+
+    @staticmethod
+    def hook(self, bucket):  # no annotations: DDP checks them literally
+        buffer = bucket.buffer()
+        size = self.wire_bytes or buffer.element_size()
+        self.traffic.sent(all_reduce_bytes(buffer.numel() * size, self.world))
+        self.traffic.launched()
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            self.traffic.done()
+            return f.value()
+        return self.inner(self.group, bucket).then(done)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+Compressor = _Counted | PowerSGDHook | TopKHook
+
+
+def apply_compression(model: DistributedDataParallel, config: CompressionConfig,
+                      traffic: Traffic, seed: int = 0) -> Compressor:
+    """Register the communication hook ``config`` names on ``model``; returns its state,
+    which checkpoints save and restore (``state_dict``/``load_state_dict``)."""
+    group = model.process_group
+    if config.name == "powersgd":
+        state: Compressor = PowerSGDHook(model.module, config.rank, config.warmup_steps,
+                                         traffic, seed=seed, group=group)
+    elif config.name == "topk":
+        state = TopKHook(model.module, config.ratio, traffic, group=group)
+    else:
+        state = _Counted(config.name, traffic, group)
+    model.register_comm_hook(state, type(state).hook)
+    return state
