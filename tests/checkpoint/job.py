@@ -1,7 +1,8 @@
 """A training job for the resume tests, run under `shoal run` (never collected by pytest).
 
     python -m shoal run --nproc-per-node W [--max-restarts K] tests/checkpoint/job.py OUT \\
-        [--kills JSON] [--steps N] [--every E] [--accumulate K] [--no-checkpoints]
+        [--kills JSON] [--steps N] [--every E] [--accumulate K] [--no-checkpoints] \\
+        [--trainer JSON]
 
 Trains a small MLP on a dataset whose inputs carry each sample's index, so every rank can
 log which global samples each optimizer step consumed. ``--kills`` is a JSON list, one entry
@@ -81,6 +82,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--no-checkpoints", action="store_true")
+    parser.add_argument("--trainer", default="{}",
+                        help="more Trainer settings, as JSON (compression, strategy, ...)")
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="seconds each step sleeps (a slow job, to be signalled)")
     args = parser.parse_args()
@@ -94,7 +97,8 @@ def main() -> None:
         "resume": "auto"}
     trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                             batch_size=args.batch_size, seed=3, progress=False,
-                            accumulate_grad_batches=args.accumulate, **settings)
+                            accumulate_grad_batches=args.accumulate, **settings,
+                            **json.loads(args.trainer))
     install_kills(json.loads(args.kills), trainer)
     steps_logged = []
 
@@ -110,6 +114,11 @@ def main() -> None:
         trainer.optimizer.register_step_post_hook(slow_down)
     trainer.fit(dataset(), max_steps=args.steps)
     # Every rank's samples of every step of this attempt, merged on rank 0.
+    # Every rank's own final state: under local_sgd / diloco the replicas differ.
+    torch.save({"model": trainer.module.state_dict(),
+                "optimizer": trainer.optimizer.state_dict(),
+                "comm": trainer.harness.comm_state_dict()},
+               out / f"final_rank{shoal.rank()}.pt")
     everyone = shoal.all_gather_object(steps_logged)
     if shoal.is_main():
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

@@ -59,6 +59,12 @@ def test_taken_port(tmp_path):
     ("model.builder=shoal.examples.digits:missing", ["model.builder", "no attribute"]),
     ("model.builder=not-an-import-path", ["model.builder", "package.module:function"]),
     ("optimizer.args.learning_rate=0.1", ["optimizer.args", "learning_rate"]),
+    ("trainer.compression.ratio=0", ["trainer.compression.ratio", "greater than 0"]),
+    ("trainer.compression.ratio=1.5", ["trainer.compression.ratio", "less than or equal to 1"]),
+    ("trainer.compression.rank=0", ["trainer.compression.rank", "greater than or equal to 1"]),
+    ("trainer.compression=gzip", ["trainer.compression.name", "'powersgd'"]),
+    ("trainer.local_sgd.period=0", ["trainer.local_sgd.period", "greater than or equal to 1"]),
+    ("trainer.diloco.period=0", ["trainer.diloco.period", "greater than or equal to 1"]),
 ])
 def test_invalid_config(override, needles):
     _assert_one_line_error(run_shoal("train", "--config", DIGITS, override), *needles)
@@ -73,3 +79,9 @@ def test_missing_and_malformed_config(tmp_path):
     missing = tmp_path / "missing.yaml"
     missing.write_text("trainer: {epochs: 1}\n")
     _assert_one_line_error(run_shoal("train", "--config", str(missing)), "model", "Field required")
+
+
+def test_compression_needs_the_ddp_strategy():
+    out = run_shoal("train", "--config", DIGITS, "trainer.strategy=diloco",
+                    "trainer.compression=topk")
+    _assert_one_line_error(out, "compression 'topk'", "strategy 'diloco'")
