@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 from torch.nn.parallel import DistributedDataParallel
 
 import shoal
+import shoal.errors
 from shoal.parallel.powersgd import PowerSGDHook
 from shoal.parallel.topk import TopKHook, select
 from shoal.parallel.traffic import Traffic
@@ -165,3 +166,24 @@ def test_powersgd_is_torch_powersgd():
         for key, value in result["torch"].items():
             assert torch.equal(result["shoal"][key], value), key
         assert max_rel_diff(result["shoal"], result["plain"]) > 1e-4  # it did compress
+
+
+@pytest.mark.parametrize("settings, needles", [
+    ({"compression": {"name": "topk", "ratio": 0.0}}, ["compression.ratio", "greater than 0"]),
+    ({"compression": {"name": "topk", "ratio": 1.01}}, ["compression.ratio", "less than or"]),
+    ({"compression": {"name": "powersgd", "rank": 0}}, ["compression.rank"]),
+    ({"compression": {"name": "powersgd", "warmup_steps": 1}}, ["compression.warmup_steps"]),
+    ({"local_sgd": {"period": 0}}, ["local_sgd.period"]),
+    ({"diloco": {"period": 0}}, ["diloco.period"]),
+    ({"diloco": {"outer_momentum": 1.0}}, ["diloco.outer_momentum"]),
+    ({"strategy": "local_sgd", "compression": "powersgd"},
+     ["compression 'powersgd'", "strategy 'local_sgd'"]),
+    ({"strategy": "diloco", "nonfinite": "skip"}, ["nonfinite", "strategy 'diloco'"]),
+])
+def test_invalid_settings_fail_before_training(settings, needles):
+    with pytest.raises(shoal.errors.UsageError) as caught:
+        shoal.TrainerConfig.build(**settings)
+    message = str(caught.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, message
