@@ -51,3 +51,12 @@ def test_diloco_is_deterministic_and_is_local_sgd_without_outer_momentum():
     for rank in range(2):
         assert max_rel_diff(outer[rank], averaged[rank]) <= 1e-6
         assert max_rel_diff(first[rank], averaged[rank]) > 1e-4  # momentum matters
+
+
+def test_training_ends_with_one_model():
+    # 12 steps with period 5: the last two steps were taken apart; fit meets once more.
+    for settings in ({"strategy": "local_sgd", "local_sgd": {"period": 5}},
+                     {"strategy": "diloco", "diloco": {"period": 5}}):
+        replicas = shoal.spawn(_fit, nprocs=2, args=(settings, 0.9))
+        for key, value in replicas[1].items():
+            assert torch.equal(value, replicas[0][key]), (settings["strategy"], key)

@@ -78,7 +78,13 @@ class _Periodic:
 
     def after_step(self) -> None:
         self.local_step += 1
-        if self.local_step < self.period:
+        if self.local_step >= self.period:
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        """Meet now, unless the replicas just met (the end of training calls this, so every
+        rank ends with the same model)."""
+        if self.local_step == 0:
             return
         self.local_step = 0
         start = time.perf_counter()

@@ -58,8 +58,9 @@ class Traffic:
         with self._lock:
             self._blocked += seconds
 
-    def end_step(self) -> tuple[float, float]:
-        """(bytes sent, seconds waited) since the previous call; called once per step."""
+    def end_step(self, step: bool = True) -> tuple[float, float]:
+        """(bytes sent, seconds waited) since the previous call; called once per step, and
+        with ``step=False`` for communication outside any step (a final synchronization)."""
         with self._lock:
             waited = self._blocked
             if self._last_launch is not None and self._last_done is not None:
@@ -69,5 +70,5 @@ class Traffic:
             self._last_launch = self._last_done = None
         self.total_bytes += sent
         self.total_wait += waited
-        self.steps += 1
+        self.steps += int(step)
         return sent, waited

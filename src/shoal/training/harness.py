@@ -110,6 +110,13 @@ class Harness:
             self.comm = apply_compression(model, c.compression, self.traffic, seed=c.seed)
         return model, optimizer
 
+    def synchronize(self) -> None:
+        """local_sgd / diloco: bring every replica to the shared model now (at the end of
+        training; the Trainer does it before its last validation). No-op for ddp."""
+        if hasattr(self.comm, "synchronize"):
+            self.comm.synchronize()
+            self.traffic.end_step(step=False)
+
     @property
     def comm_kind(self) -> str:
         """The strategy, and for 'ddp' the compression: 'ddp/topk', 'diloco', ..."""

@@ -131,6 +131,8 @@ class Trainer:
             while not self._finished(epochs, max_steps):
                 train, epoch_done = self._train_epoch(loader, progress, max_steps, consumed)
                 consumed = 0
+                if not epoch_done or self._finished(epochs, max_steps, self.epoch + 1):
+                    self.harness.synchronize()  # replicas that train apart end as one
                 metrics = {"epoch": self.epoch, **train}
                 if val_data is not None:
                     metrics.update(self.validate(val_data))
@@ -151,9 +153,11 @@ class Trainer:
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
         return {**metrics, "global_step": self.global_step}
 
-    def _finished(self, epochs: int | None, max_steps: int | None) -> bool:
+    def _finished(self, epochs: int | None, max_steps: int | None,
+                  epoch: int | None = None) -> bool:
+        epoch = self.epoch if epoch is None else epoch
         return ((max_steps is not None and self.global_step >= max_steps)
-                or (epochs is not None and self.epoch >= epochs))
+                or (epochs is not None and epoch >= epochs))
 
     def _total_steps(self, loader: DataLoader, epochs: int | None, max_steps: int | None
                      ) -> int | None:
