@@ -24,6 +24,14 @@ def test_digits_config_trains_to_95_percent(tmp_path):
     assert progress and all(line.startswith("[rank0]:") for line in progress)
     assert re.search(r"\[rank0\]: .*val_accuracy \d+\.\d+%", out.stdout)
     assert "[rank1]: epoch" not in out.stdout
+    # Step metrics of both ranks in the run directory, and the end-of-run table.
+    records = [json.loads(line) for line in
+               (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    assert steps[-1]["step"] == len(steps) and steps[-1]["samples_per_s"] > 0
+    assert all(len(r["ranks"]) == 2 for r in records if r["type"] == "ranks")
+    assert any((run_dir / "tensorboard").iterdir())
+    assert "[rank0]: shoal: time per step by rank" in out.stdout
 
 
 def test_env_report_names_versions_and_interfaces():

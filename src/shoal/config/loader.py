@@ -111,6 +111,8 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
             _check_builder(section, spec)
     if config.run.dir is None:
         config.run.dir = str(Path("runs") / path.stem)
+    if config.trainer.metrics.dir is None:  # step metrics go to the run directory
+        config.trainer.metrics.dir = config.run.dir
     return config
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 
 def all_reduce_bytes(nbytes: int, world_size: int) -> float:
@@ -20,6 +21,17 @@ def all_reduce_bytes(nbytes: int, world_size: int) -> float:
 def all_gather_bytes(nbytes: int, world_size: int) -> float:
     """Bytes each rank sends in a ring all-gather where every rank gives ``nbytes``."""
     return (world_size - 1) * nbytes
+
+
+class StepComm(NamedTuple):
+    """One step's communication on this rank."""
+
+    bytes: float
+    """Bytes sent."""
+    wait: float
+    """Seconds the step waited for communication, ``blocked`` included."""
+    blocked: float
+    """Seconds of that in blocking collectives (weight averaging)."""
 
 
 class Traffic:
@@ -58,11 +70,11 @@ class Traffic:
         with self._lock:
             self._blocked += seconds
 
-    def end_step(self, step: bool = True) -> tuple[float, float]:
-        """(bytes sent, seconds waited) since the previous call; called once per step, and
+    def end_step(self, step: bool = True) -> StepComm:
+        """What was sent and waited for since the previous call; called once per step, and
         with ``step=False`` for communication outside any step (a final synchronization)."""
         with self._lock:
-            waited = self._blocked
+            blocked = waited = self._blocked
             if self._last_launch is not None and self._last_done is not None:
                 waited += max(0.0, self._last_done - self._last_launch)
             sent = self._bytes
@@ -71,4 +83,4 @@ class Traffic:
         self.total_bytes += sent
         self.total_wait += waited
         self.steps += int(step)
-        return sent, waited
+        return StepComm(sent, waited, blocked)

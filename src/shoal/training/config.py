@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from shoal.config.errors import usage_error
+from shoal.metrics.recorder import MetricsConfig
 from shoal.parallel.averaging import DiLoCoConfig, LocalSGDConfig
 from shoal.parallel.compression import CompressionConfig
 from shoal.parallel.ddp import DDPConfig
@@ -71,6 +72,8 @@ class TrainerConfig(BaseModel):
     """How many complete checkpoints to keep."""
     async_checkpoint: bool = False
     """Write checkpoints in the background: a step waits only for the copy of the state."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """Step metrics: phase split per rank, resources, stragglers, JSONL and TensorBoard."""
     resume: str | None = None
     """'auto': continue from the newest complete checkpoint in checkpoint_dir, if any;
     a path: from that checkpoint; unset: start afresh."""

@@ -33,7 +33,7 @@ from shoal.parallel.averaging import (
 )
 from shoal.parallel.compression import CompressionConfig, apply_compression
 from shoal.parallel.ddp import DDPConfig, apply_ddp
-from shoal.parallel.traffic import Traffic
+from shoal.parallel.traffic import StepComm, Traffic
 from shoal.runtime import dist as rt
 from shoal.training.precision import Precision
 
@@ -78,7 +78,7 @@ class Harness:
         self.precision = Precision(config.precision, self.device)
         self.traffic = Traffic(self.env.world_size)
         self.comm = None  # the compression hook's or the weight averaging's state
-        self.last_comm = (0.0, 0.0)  # (bytes sent, seconds waited) by the last step
+        self.last_comm = StepComm(0.0, 0.0, 0.0)  # what the last step sent and waited for
 
     @property
     def rank(self) -> int:

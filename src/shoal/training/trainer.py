@@ -22,6 +22,7 @@ from shoal.data.sharding import (
     set_epoch,
 )
 from shoal.errors import NonFiniteError, UsageError
+from shoal.metrics.recorder import StepMetrics
 from shoal.runtime.heartbeat import heartbeat
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
@@ -51,6 +52,14 @@ def _all_gather_flags(flag: bool) -> list[bool]:
     flags: list[bool] = [False] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(flags, flag)
     return flags
+
+
+def _tokens(inputs: Any) -> int:
+    """Tokens in a batch of token ids (an integer tensor with a sequence dimension)."""
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and not (
+            inputs.is_floating_point() or inputs.is_complex()):
+        return inputs.numel()
+    return 0
 
 
 def _rescale_gradients(model: nn.Module, factor: float) -> None:
@@ -91,6 +100,7 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.skipped_steps: list[int] = []  # steps skipped for non-finite gradients
         self._preemption: PreemptionWatch | None = None
+        self._metrics: StepMetrics | None = None
         self.run_config: dict | None = None  # the resolved run config, kept in checkpoints
         self.checkpointing = Checkpointing(
             self, c.checkpoint_dir, c.checkpoint_every, c.keep_last, c.async_checkpoint,
@@ -125,6 +135,9 @@ class Trainer:
                             enabled=c.progress and self.harness.is_main)
         metrics: dict[str, float] = {}
         self._preemption = PreemptionWatch(self.harness.device) if self.checkpointing else None
+        h = self.harness
+        self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size) \
+            if c.metrics.enabled else None
         try:
             if self._preemption:
                 self._preemption.start()
@@ -143,10 +156,14 @@ class Trainer:
                 else:  # stopped by max_steps inside the epoch: it goes on from here
                     consumed = self._position or 0
                     break
+            if self._metrics:
+                self._metrics.finish(show_summary=c.progress)
         finally:
             progress.close()
             if self._preemption:
                 self._preemption.stop()
+            if self._metrics:
+                self._metrics.close()
         if self.checkpointing:
             if self.checkpointing.saved_step != self.global_step:
                 self.checkpointing.save(consumed)
@@ -181,21 +198,33 @@ class Trainer:
         sent = waited = 0.0
         start = time.perf_counter()
         stopped = False
+        clock = self._metrics.clock if self._metrics else None
+        if clock:
+            clock.begin()
         for i, (batch, last_batch) in enumerate(agreed_batches(loader, length, h.device)):
+            if clock:
+                clock.lap("data")
             position = i % k
             # An unsized loader's window length is known only at its end (see below).
             window = k if length is None else min(k, length - (i - position))
             step_now = position == window - 1 or last_batch
             if position == 0:  # the window's global sample count, once per window
                 window_samples = samples_between(loader, i, i + window)
+                step_loss, step_samples, step_tokens = 0, 0, 0
             inputs, targets = _unpack(h.to_device(batch))
             with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
                 with h.autocast():
                     loss = self.loss_fn(model(inputs), targets)
                 h.backward(self._scaled(loss, window, window_samples, batch))
+            if clock:
+                clock.lap("forward_backward")
             loss_sum += loss.detach()
             micro_batches += 1
             samples += _batch_len(batch)
+            if self._metrics:
+                step_loss = step_loss + loss.detach()
+                step_samples += _batch_len(batch)
+                step_tokens += _tokens(inputs)
             if not step_now:
                 continue
             if length is None and position + 1 < k:
@@ -204,9 +233,16 @@ class Trainer:
             self._optimizer_step(position_after(loader, micro_batches), loss)
             steps += 1
             sent, waited = sent + h.last_comm[0], waited + h.last_comm[1]
+            if self._metrics:
+                self._metrics.step(self.global_step, self.epoch,
+                                   self.optimizer.param_groups[0]["lr"],
+                                   step_loss / (position + 1), step_samples, step_tokens,
+                                   h.last_comm)
             if progress.wants_update():
                 rate = samples * h.world_size / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
+                if clock:
+                    clock.skip()  # the display counts as 'other' of the next step
             if max_steps is not None and self.global_step >= max_steps:
                 stopped = not last_batch
                 break
@@ -255,9 +291,14 @@ class Trainer:
 
     def _optimizer_step(self, consumed: int | None, loss: torch.Tensor | None = None) -> None:
         c = self.config
+        clock = self._metrics.clock if self._metrics else None
+        if clock:
+            clock.skip()
         stepped = self.harness.step(self.optimizer, model=self.model,
                                     clip_grad_norm=c.clip_grad_norm,
                                     check_finite=c.nonfinite is not None)
+        if clock:
+            clock.lap("optimizer")
         if not stepped:
             self._non_finite(loss)
         if self.lr_scheduler is not None:

@@ -1,0 +1,1 @@
+"""Step metrics, resource use and stragglers, measured on every rank."""

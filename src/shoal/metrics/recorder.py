@@ -1,0 +1,185 @@
+"""The Trainer's step metrics: recorded on every rank, gathered every few steps, written once.
+
+Each rank keeps a few floats per step (phases, loss, samples, bytes). Every ``every`` steps
+one all-gather brings them and each rank's resource use to rank 0, which writes a JSON line
+per step and one per window (every rank's figures and the straggler, if any), mirrors the
+main figures to TensorBoard, and prints the straggler when it changes. At the end of the
+run rank 0 prints a table: every rank's mean step split, CPU and memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from shoal.metrics.resources import FIELDS as RESOURCE_FIELDS
+from shoal.metrics.resources import ResourceSampler
+from shoal.metrics.steps import PHASES, StepClock
+from shoal.metrics.stragglers import describe, find_straggler
+from shoal.metrics.writer import MetricsWriter
+
+STEP_FIELDS = (*PHASES, "step", "loss", "samples", "tokens", "bytes")
+
+
+class MetricsConfig(BaseModel):
+    """Settings of the Trainer's step metrics (the ``trainer.metrics`` section)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    enabled: bool = True
+    """Measure every step's phases on every rank (a few clock reads per step)."""
+    every: int = Field(50, ge=1)
+    """Gather every rank's figures, look for a straggler and write them every this many
+    steps (and at the end)."""
+    resources: bool = True
+    """Sample CPU %, resident memory and, on CUDA with nvidia-ml-py, GPU use per rank."""
+    resource_interval: float = Field(1.0, gt=0)
+    """Seconds between resource samples (a background thread per rank)."""
+    dir: str | None = None
+    """Where rank 0 writes metrics.jsonl and tensorboard/ (shoal train: the run directory);
+    unset: no files, the console summary only."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files (needs the tensorboard package)."""
+    straggler_threshold: float = Field(0.2, gt=0)
+    """A rank is named a straggler when its busy time per step exceeds the median rank's by
+    more than this fraction of the median step time."""
+
+
+class StepMetrics:
+    """Per-step phases of this rank; gathered to rank 0 every ``config.every`` steps."""
+
+    def __init__(self, config: MetricsConfig, device: torch.device, rank: int, world: int):
+        self.config = config
+        self.device = device
+        self.rank, self.world = rank, world
+        self.clock = StepClock(device)
+        self.sampler = ResourceSampler(device, config.resource_interval).start() \
+            if config.resources else None
+        self.writer = MetricsWriter(config.dir, config.tensorboard) \
+            if config.dir and rank == 0 else None
+        self._steps: list[tuple[int, int, float, dict[str, float]]] = []  # step, epoch, lr
+        self._losses: list[torch.Tensor] = []
+        self.totals: list[dict[str, float]] | None = None  # rank 0: per-rank sums
+        self.total_steps = 0
+        self._last_straggler: tuple[int, str] | None = None
+
+    def step(self, global_step: int, epoch: int, lr: float, loss: torch.Tensor,
+             samples: int, tokens: int, comm) -> None:
+        """Close this step (its clock marks are done); flush when the window is full."""
+        phases = self.clock.end_step(comm.wait, comm.blocked)
+        phases.update(samples=float(samples), tokens=float(tokens), bytes=comm.bytes)
+        self._steps.append((global_step, epoch, lr, phases))
+        self._losses.append(loss.detach().float().reshape(()))
+        if len(self._steps) >= self.config.every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Collective: every rank calls it at the same step."""
+        if not self._steps:
+            return
+        losses = torch.stack(self._losses).double()
+        own = torch.tensor([[p[f] for f in STEP_FIELDS if f != "loss"]
+                            for *_, p in self._steps], dtype=torch.float64)
+        own = torch.cat([own, losses.cpu().unsqueeze(1)], dim=1)  # loss last
+        resources = self.sampler.take() if self.sampler else dict.fromkeys(
+            RESOURCE_FIELDS, float("nan"))
+        flat = torch.cat([own.reshape(-1), torch.tensor(
+            [resources[f] for f in RESOURCE_FIELDS], dtype=torch.float64)]).to(self.device)
+        if self.world > 1:
+            gathered = torch.empty(self.world * flat.numel(), dtype=flat.dtype,
+                                   device=self.device)
+            dist.all_gather_into_tensor(gathered, flat)
+            flat = gathered
+        if self.rank == 0:
+            self._report(flat.cpu().view(self.world, -1))
+        self._steps, self._losses = [], []
+
+    def _report(self, table: torch.Tensor) -> None:
+        n = len(self._steps)
+        fields = [f for f in STEP_FIELDS if f != "loss"] + ["loss"]
+        per_step = table[:, :n * len(fields)].view(self.world, n, len(fields))
+        resources = table[:, n * len(fields):]
+        column = {f: per_step[:, :, i] for i, f in enumerate(fields)}
+        ranks = []
+        for r in range(self.world):
+            row = {f: column[f][r].mean().item() for f in (*PHASES, "step")}
+            row.update({f: resources[r, i].item() for i, f in enumerate(RESOURCE_FIELDS)})
+            ranks.append(row)
+        self._accumulate(column, resources, n)
+        first, last = self._steps[0][0], self._steps[-1][0]
+        straggler = find_straggler(ranks, self.config.straggler_threshold)
+        if straggler and (straggler["rank"], straggler["phase"]) != self._last_straggler:
+            print(f"shoal: {describe(straggler, first, last)}", file=sys.stderr, flush=True)
+        self._last_straggler = (straggler["rank"], straggler["phase"]) if straggler else None
+        if self.writer is None:
+            return
+        now = time.time()
+        for i, (global_step, epoch, lr, _) in enumerate(self._steps):
+            step_time = column["step"][:, i].max().item()
+            record = {"type": "step", "step": global_step, "epoch": epoch, "time": now,
+                      "loss": column["loss"][:, i].mean().item(), "lr": lr,
+                      "step_time_s": step_time,
+                      "samples_per_s": column["samples"][:, i].sum().item() / step_time,
+                      "phases_s": {p: column[p][:, i].mean().item() for p in PHASES},
+                      "comm_bytes": column["bytes"][0, i].item()}
+            tokens = column["tokens"][:, i].sum().item()
+            if tokens:
+                record["tokens_per_s"] = tokens / step_time
+            self.writer.write(record)
+            self.writer.scalars(global_step, {
+                "train/loss": record["loss"], "train/lr": lr,
+                "train/samples_per_s": record["samples_per_s"],
+                "train/tokens_per_s": record.get("tokens_per_s"),
+                "time/step_s": step_time, "comm/bytes": record["comm_bytes"],
+                **{f"time/{p}_s": v for p, v in record["phases_s"].items()}})
+        self.writer.write({"type": "ranks", "steps": [first, last], "time": now,
+                           "ranks": [{"rank": r, **row} for r, row in enumerate(ranks)],
+                           "straggler": straggler})
+        self.writer.scalars(last, {f"rank{r}/{k}": v for r, row in enumerate(ranks)
+                                   for k, v in row.items() if k != "step"})
+
+    def _accumulate(self, column: dict[str, torch.Tensor], resources: torch.Tensor,
+                    n: int) -> None:
+        if self.totals is None:
+            self.totals = [dict.fromkeys((*PHASES, "step", *RESOURCE_FIELDS), 0.0)
+                           for _ in range(self.world)]
+        for r, totals in enumerate(self.totals):
+            for p in (*PHASES, "step"):
+                totals[p] += column[p][r].sum().item()
+            for i, f in enumerate(RESOURCE_FIELDS):  # weighted by steps, for a run mean
+                totals[f] += resources[r, i].item() * n
+        self.total_steps += n
+
+    def finish(self, show_summary: bool = True) -> None:
+        """Collective, at the end of training: the last window, then rank 0's table."""
+        self.flush()
+        if show_summary and self.rank == 0 and self.totals and self.total_steps:
+            print(summary_table(self.totals, self.total_steps), flush=True)
+
+    def close(self) -> None:
+        """Not collective (also on the way out of an error): stop sampling, close files."""
+        if self.sampler:
+            self.sampler.stop()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def summary_table(totals: list[dict[str, float]], steps: int) -> str:
+    """Every rank's mean step split (ms), CPU % and memory over ``steps`` steps."""
+    header = (f"{'rank':>4} {'step':>8} {'data':>8} {'compute':>8} {'comm':>8} "
+              f"{'optim':>8} {'other':>8} {'cpu %':>7} {'rss MB':>8}")
+    lines = [f"shoal: time per step by rank over {steps} steps (ms)", header]
+    for rank, t in enumerate(totals):
+        ms = [t[p] / steps * 1e3 for p in ("step", *PHASES)]
+        cpu, rss = t["cpu_percent"] / steps, t["rss_bytes"] / steps / 2**20
+        gpu = ""
+        if t["gpu_util_percent"] == t["gpu_util_percent"]:  # not NaN: NVML is there
+            gpu = (f"  gpu {t['gpu_util_percent'] / steps:.0f} %, "
+                   f"{t['gpu_memory_bytes'] / steps / 2**20:.0f} MB")
+        lines.append(f"{rank:>4} " + " ".join(f"{v:>8.2f}" for v in ms)
+                     + f" {cpu:>7.0f} {rss:>8.0f}{gpu}")
+    return "\n".join(lines)
