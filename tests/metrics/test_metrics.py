@@ -7,7 +7,6 @@ import json
 import time
 
 import pytest
-import torch
 from torch.utils.data import Dataset
 
 import shoal
