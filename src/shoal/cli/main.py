@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from shoal.cli import bench as bench_cmd
 from shoal.cli import env as env_cmd
 from shoal.cli import run as run_cmd
 from shoal.cli import train as train_cmd
@@ -19,6 +20,7 @@ def build_parser() -> tuple[Parser, Parser]:
     run_cmd.register(subparsers)
     train = train_cmd.register(subparsers)
     env_cmd.register(subparsers)
+    bench_cmd.register(subparsers)
     return parser, train
 
 

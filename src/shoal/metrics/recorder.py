@@ -13,7 +13,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from shoal.metrics.resources import FIELDS as RESOURCE_FIELDS
@@ -21,6 +20,7 @@ from shoal.metrics.resources import ResourceSampler
 from shoal.metrics.steps import PHASES, StepClock
 from shoal.metrics.stragglers import describe, find_straggler
 from shoal.metrics.writer import MetricsWriter
+from shoal.runtime.collectives import gather_into_tensor
 
 STEP_FIELDS = (*PHASES, "step", "loss", "samples", "tokens", "bytes")
 
@@ -92,7 +92,7 @@ class StepMetrics:
         if self.world > 1:
             gathered = torch.empty(self.world * flat.numel(), dtype=flat.dtype,
                                    device=self.device)
-            dist.all_gather_into_tensor(gathered, flat)
+            gather_into_tensor(gathered, flat)
             flat = gathered
         if self.rank == 0:
             self._report(flat.cpu().view(self.world, -1))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shoal.parallel.traffic import Traffic, all_gather_bytes
+from shoal.runtime.collectives import gather_into_tensor
 
 
 def select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,7 +74,7 @@ class TopKHook:
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=flat.device)
         self.traffic.sent(all_gather_bytes(payload.numel(), world))
         self.traffic.launched()
-        work = dist.all_gather_into_tensor(gathered, payload, group=self.group, async_op=True)
+        work = gather_into_tensor(gathered, payload, group=self.group, async_op=True)
         n_value_bytes = values.numel() * values.element_size()
 
         def scatter(gathered_future: torch.futures.Future) -> None:

@@ -18,6 +18,11 @@ _OPS = {
 OPS = (*_OPS, "avg")
 
 
+# torch 2.13 renamed all_gather_into_tensor (one output tensor, W x the input) and warns on
+# the old name; older releases have only the old one.
+gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _reduce_op(op: str) -> dist.ReduceOp:
     if op not in OPS:
         raise UsageError(f"op must be one of {', '.join(OPS)}, got {op!r}")

@@ -1,0 +1,1 @@
+"""Benchmarks shipped with the product: all-reduce bandwidth and scaling."""
