@@ -1,7 +1,8 @@
 """Overhead of shoal's Trainer over a hand-written DistributedDataParallel loop.
 
-Inside one job of ``--nproc`` processes (gloo on CPU) it alternates runs of a raw DDP loop and
-of ``shoal.Trainer.fit``, ``--repeats`` times each (which one goes first alternates too). Every
+Inside one job of ``--nproc`` processes (gloo on CPU) it alternates runs of a raw DDP loop, of
+``shoal.Trainer.fit`` (step metrics on, the default) and of the Trainer with metrics off,
+``--repeats`` times each (which one goes first rotates too). Every
 run starts from the same seeded MLP (``shoal.examples.digits``) and AdamW optimizer and trains
 ``--steps`` steps on the digits data with the Trainer's own math: DistributedSampler (shuffle,
 seed, set_epoch), ``--batch-size`` per rank, cross-entropy, ``optimizer.step()``,
@@ -10,7 +11,8 @@ sides. Two figures per run: the median interval between consecutive optimizer st
 by the same optimizer hook on both sides; robust to the noise of a shared machine) and the
 whole loop between two barriers (which also counts per-epoch work; DataLoader construction
 included on both sides, model, optimizer and DDP construction on neither). It prints the
-median over repeats of the Trainer/raw ratios of each (target <= 1.02), and whether every run
+median over repeats of the Trainer/raw ratios of each (target <= 1.02), the metrics on/off
+ratios (target <= 1.02), and whether every run
 ended with bit-identical weights and optimizer state. A measurement, not a test: exits 0.
 
     python benchmarks/overhead.py [--nproc 2] [--repeats 7] [--steps 80] [--hidden 512]
@@ -23,6 +25,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 processes on 2 cores: no oversubscription
 
 import argparse
+import functools
 import gc
 import statistics
 import time
@@ -73,9 +76,11 @@ def run_raw(data, steps: int, hidden: int, batch_size: int, stamps: list[float])
     return time.perf_counter() - start, model, optimizer
 
 
-def run_trainer(data, steps: int, hidden: int, batch_size: int, stamps: list[float]):
+def run_trainer(data, steps: int, hidden: int, batch_size: int, stamps: list[float],
+                metrics: bool = True):
     model, optimizer = fresh(hidden, stamps)
-    trainer = shoal.Trainer(model, optimizer, batch_size=batch_size, seed=SEED, progress=False)
+    trainer = shoal.Trainer(model, optimizer, batch_size=batch_size, seed=SEED, progress=False,
+                            metrics={"enabled": metrics})
     dist.barrier()
     start = time.perf_counter()
     trainer.fit(data, max_steps=steps)
@@ -100,14 +105,16 @@ def differences(a, b) -> list[str]:
 def worker(repeats: int, steps: int, hidden: int, batch_size: int) -> dict:
     shoal.init()
     data, _ = build_data()
-    runners = {"raw": run_raw, "trainer": run_trainer}
-    for name in runners:  # warm-up pair, untimed: first-use costs land here
+    runners = {"raw": run_raw, "trainer": run_trainer,
+               "no_metrics": functools.partial(run_trainer, metrics=False)}
+    for name in runners:  # warm-up round, untimed: first-use costs land here
         runners[name](data, steps, hidden, batch_size, [])
-    times: dict[str, list[float]] = {"raw": [], "trainer": []}
-    step_medians: dict[str, list[float]] = {"raw": [], "trainer": []}
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    step_medians: dict[str, list[float]] = {name: [] for name in runners}
     reference, diffs = None, set()
+    names = list(runners)
     for r in range(repeats):
-        for name in (("raw", "trainer") if r % 2 == 0 else ("trainer", "raw")):
+        for name in names[r % 3:] + names[:r % 3]:  # each goes first in turn
             gc.collect()  # the previous run's garbage is not collected inside this one's timing
             stamps: list[float] = []
             elapsed, model, optimizer = runners[name](data, steps, hidden, batch_size, stamps)
@@ -133,21 +140,28 @@ def main() -> None:
     results = shoal.spawn(worker, nprocs=args.nproc,
                           args=(args.repeats, args.steps, args.hidden, args.batch_size))
     # A run lasts as long as its slowest rank (the closing barrier makes them nearly equal).
+    names = ("raw", "trainer", "no_metrics")
     whole = {name: [max(res["times"][name][i] for res in results) / args.steps
-                    for i in range(args.repeats)] for name in ("raw", "trainer")}
+                    for i in range(args.repeats)] for name in names}
     step = {name: [max(res["steps"][name][i] for res in results)
-                   for i in range(args.repeats)] for name in ("raw", "trainer")}
-    ratio = {label: statistics.median(t / r for t, r in zip(d["trainer"], d["raw"], strict=True))
-             for label, d in (("step", step), ("whole", whole))}
+                   for i in range(args.repeats)] for name in names}
+
+    def ratio(d: dict, a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(d[a], d[b], strict=True))
     diffs = sorted({d for res in results for d in res["diffs"]})
     print(f"overhead: Trainer vs raw DDP, {args.nproc} processes, {args.repeats} interleaved "
           f"repeats x {args.steps} steps (hidden {args.hidden}, batch {args.batch_size}/rank)")
-    for label, name in (("raw DDP loop ", "raw"), ("shoal Trainer", "trainer")):
+    for label, name in (("raw DDP loop            ", "raw"),
+                        ("shoal Trainer           ", "trainer"),
+                        ("shoal Trainer, no metrics", "no_metrics")):
         print(f"{label}: median step {statistics.median(step[name]) * 1e3:.3f} ms, "
               f"whole run {statistics.median(whole[name]) * 1e3:.3f} ms/step")
-    print(f"Trainer/raw, median step interval: {ratio['step']:.3f}  (target <= 1.02)")
-    print(f"Trainer/raw, whole run per step:   {ratio['whole']:.3f}  "
+    print(f"Trainer/raw, median step interval: {ratio(step, 'trainer', 'raw'):.3f}  "
+          "(target <= 1.02)")
+    print(f"Trainer/raw, whole run per step:   {ratio(whole, 'trainer', 'raw'):.3f}  "
           "(noisier; counts per-epoch work)")
+    print(f"metrics on/off, median step interval: {ratio(step, 'trainer', 'no_metrics'):.3f}"
+          f", whole run: {ratio(whole, 'trainer', 'no_metrics'):.3f}  (target <= 1.02)")
     print(f"final weights bit-identical: {'no' if diffs else 'yes'}"
           " (weights and AdamW state, all runs, all ranks)")
     for d in diffs:
