@@ -54,6 +54,7 @@ def test_slow_data_on_one_rank_is_named_and_phases_add_up(tmp_path):
     stamps = shoal.spawn(_fit, nprocs=2, args=(str(tmp_path), 1))[0]
     steps = _records(tmp_path, "step")
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert all(r["grad_norm"] > 0 and r["lr"] == 0.1 for r in steps)
     # Our step clock against the optimizer's own: steps 2..N span the same time.
     measured = sum(r["step_time_s"] for r in steps[1:])
     external = stamps[-1] - stamps[0]

@@ -22,7 +22,8 @@ from shoal.metrics.stragglers import describe, find_straggler
 from shoal.metrics.writer import MetricsWriter
 from shoal.runtime.collectives import gather_into_tensor
 
-STEP_FIELDS = (*PHASES, "step", "loss", "samples", "tokens", "bytes")
+STEP_FIELDS = (*PHASES, "step", "samples", "tokens", "bytes")
+TENSOR_FIELDS = ("loss", "grad_norm")  # device tensors, read once per window
 
 
 class MetricsConfig(BaseModel):
@@ -62,18 +63,20 @@ class StepMetrics:
         self.writer = MetricsWriter(config.dir, config.tensorboard) \
             if config.dir and rank == 0 else None
         self._steps: list[tuple[int, int, float, dict[str, float]]] = []  # step, epoch, lr
-        self._losses: list[torch.Tensor] = []
+        self._tensors: list[torch.Tensor] = []  # (loss, grad norm) per step
         self.totals: list[dict[str, float]] | None = None  # rank 0: per-rank sums
         self.total_steps = 0
         self._last_straggler: tuple[int, str] | None = None
 
     def step(self, global_step: int, epoch: int, lr: float, loss: torch.Tensor,
-             samples: int, tokens: int, comm) -> None:
+             grad_norm: torch.Tensor | None, samples: int, tokens: int, comm) -> None:
         """Close this step (its clock marks are done); flush when the window is full."""
         phases = self.clock.end_step(comm.wait, comm.blocked)
         phases.update(samples=float(samples), tokens=float(tokens), bytes=comm.bytes)
         self._steps.append((global_step, epoch, lr, phases))
-        self._losses.append(loss.detach().float().reshape(()))
+        norm = grad_norm.detach().float().reshape(()) if grad_norm is not None else \
+            torch.full((), float("nan"), device=loss.device)
+        self._tensors.append(torch.stack([loss.detach().float().reshape(()), norm]))
         if len(self._steps) >= self.config.every:
             self.flush()
 
@@ -81,10 +84,9 @@ class StepMetrics:
         """Collective: every rank calls it at the same step."""
         if not self._steps:
             return
-        losses = torch.stack(self._losses).double()
-        own = torch.tensor([[p[f] for f in STEP_FIELDS if f != "loss"]
-                            for *_, p in self._steps], dtype=torch.float64)
-        own = torch.cat([own, losses.cpu().unsqueeze(1)], dim=1)  # loss last
+        own = torch.tensor([[p[f] for f in STEP_FIELDS] for *_, p in self._steps],
+                           dtype=torch.float64)
+        own = torch.cat([own, torch.stack(self._tensors).double().cpu()], dim=1)
         resources = self.sampler.take() if self.sampler else dict.fromkeys(
             RESOURCE_FIELDS, float("nan"))
         flat = torch.cat([own.reshape(-1), torch.tensor(
@@ -96,11 +98,11 @@ class StepMetrics:
             flat = gathered
         if self.rank == 0:
             self._report(flat.cpu().view(self.world, -1))
-        self._steps, self._losses = [], []
+        self._steps, self._tensors = [], []
 
     def _report(self, table: torch.Tensor) -> None:
         n = len(self._steps)
-        fields = [f for f in STEP_FIELDS if f != "loss"] + ["loss"]
+        fields = [*STEP_FIELDS, *TENSOR_FIELDS]
         per_step = table[:, :n * len(fields)].view(self.world, n, len(fields))
         resources = table[:, n * len(fields):]
         column = {f: per_step[:, :, i] for i, f in enumerate(fields)}
@@ -122,6 +124,7 @@ class StepMetrics:
             step_time = column["step"][:, i].max().item()
             record = {"type": "step", "step": global_step, "epoch": epoch, "time": now,
                       "loss": column["loss"][:, i].mean().item(), "lr": lr,
+                      "grad_norm": column["grad_norm"][:, i].mean().item(),
                       "step_time_s": step_time,
                       "samples_per_s": column["samples"][:, i].sum().item() / step_time,
                       "phases_s": {p: column[p][:, i].mean().item() for p in PHASES},
@@ -132,6 +135,7 @@ class StepMetrics:
             self.writer.write(record)
             self.writer.scalars(global_step, {
                 "train/loss": record["loss"], "train/lr": lr,
+                "train/grad_norm": record["grad_norm"],
                 "train/samples_per_s": record["samples_per_s"],
                 "train/tokens_per_s": record.get("tokens_per_s"),
                 "time/step_s": step_time, "comm/bytes": record["comm_bytes"],

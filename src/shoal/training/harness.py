@@ -79,6 +79,7 @@ class Harness:
         self.traffic = Traffic(self.env.world_size)
         self.comm = None  # the compression hook's or the weight averaging's state
         self.last_comm = StepComm(0.0, 0.0, 0.0)  # what the last step sent and waited for
+        self.last_grad_norm: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -165,15 +166,17 @@ class Harness:
             yield
 
     def step(self, optimizer: torch.optim.Optimizer, *, model: nn.Module | None = None,
-             clip_grad_norm: float | None = None, check_finite: bool = False) -> bool:
+             clip_grad_norm: float | None = None, check_finite: bool = False,
+             measure_norm: bool = False) -> bool:
         """Optimizer step (unscale, optional clipping, skip on fp16 overflow), then zero_grad.
 
         With ``check_finite``, a NaN or Inf gradient norm skips the step and returns False.
         Gradients are all-reduced before this, so every rank sees the same norm and every
-        rank skips the same steps.
+        rank skips the same steps. The gradient norm, when computed (clipping, the finite
+        check or ``measure_norm``), is kept in ``last_grad_norm`` as a tensor.
         """
         norm = None
-        if clip_grad_norm is not None or check_finite:
+        if clip_grad_norm is not None or check_finite or measure_norm:
             self.precision.unscale(optimizer)
             params = list(model.parameters() if model is not None else (
                 p for group in optimizer.param_groups for p in group["params"]))
@@ -182,6 +185,7 @@ class Harness:
             else:
                 norm = torch.nn.utils.get_total_norm(
                     [p.grad for p in params if p.grad is not None])
+        self.last_grad_norm = norm
         if check_finite and not torch.isfinite(norm):
             if self.precision.scaler is not None:
                 self.precision.scaler.update()  # lower the loss scale, as an overflow does

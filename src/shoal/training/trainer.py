@@ -236,8 +236,8 @@ class Trainer:
             if self._metrics:
                 self._metrics.step(self.global_step, self.epoch,
                                    self.optimizer.param_groups[0]["lr"],
-                                   step_loss / (position + 1), step_samples, step_tokens,
-                                   h.last_comm)
+                                   step_loss / (position + 1), h.last_grad_norm,
+                                   step_samples, step_tokens, h.last_comm)
             if progress.wants_update():
                 rate = samples * h.world_size / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
@@ -296,7 +296,8 @@ class Trainer:
             clock.skip()
         stepped = self.harness.step(self.optimizer, model=self.model,
                                     clip_grad_norm=c.clip_grad_norm,
-                                    check_finite=c.nonfinite is not None)
+                                    check_finite=c.nonfinite is not None,
+                                    measure_norm=self._metrics is not None)
         if clock:
             clock.lap("optimizer")
         if not stepped:
