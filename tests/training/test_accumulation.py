@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import shoal
 from tests.helpers import max_rel_diff
@@ -28,17 +29,15 @@ class SyncLog:
     def count_forward(self, module, args) -> None:
         self.forwards += 1
 
+    def hook(self, state, bucket):
+        self.syncs_at.append(self.forwards)
+        return allreduce_hook(None, bucket)
 
-def _instrument(ddp_model, traffic) -> SyncLog:
-    """shoal's communication hook reports every bucket it launches to ``traffic``."""
+
+def _instrument(ddp_model) -> SyncLog:
     log = SyncLog()
     ddp_model.module.register_forward_pre_hook(log.count_forward)
-    launched = traffic.launched
-
-    def record_then_launch() -> None:
-        log.syncs_at.append(log.forwards)
-        launched()
-    traffic.launched = record_then_launch
+    ddp_model.register_comm_hook(None, log.hook)
     return log
 
 
@@ -48,13 +47,13 @@ def _accumulate_both_ways():
     model = make_model()
     trainer = shoal.Trainer(model, make_optimizer(model), batch_size=BATCH, seed=SEED,
                             accumulate_grad_batches=K, progress=False)
-    trainer_log = _instrument(trainer.model, trainer.harness.traffic)
+    trainer_log = _instrument(trainer.model)
     trainer.fit(dataset, max_steps=STEPS)
 
     harness = shoal.Harness(seed=SEED)
     model2 = make_model()
     wrapped, opt = harness.setup(model2, make_optimizer(model2))
-    harness_log = _instrument(wrapped, harness.traffic)
+    harness_log = _instrument(wrapped)
     loader = harness.setup_dataloader(dataset, batch_size=BATCH)
     steps = epoch = 0
     while steps < STEPS:

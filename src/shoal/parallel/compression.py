@@ -1,6 +1,6 @@
 """Gradient compression for DDP, as communication hooks, with every byte counted.
 
-    none      all-reduce of the gradient as it is (torch's allreduce hook)
+    none      all-reduce of the gradient as it is (DDP's own, no hook)
     fp16/bf16 all-reduce in half precision: half the bytes (torch's compress hooks)
     powersgd  low-rank PowerSGD with error feedback and warm start (torch's hook)
     topk      the ratio of largest entries, with error feedback (shoal.parallel.topk)
@@ -44,14 +44,42 @@ class CompressionConfig(BaseModel):
         return {"name": value} if isinstance(value, str) else value
 
 
+class _Uncompressed:
+    """No hook: DDP's own all-reduce in C++, the fastest. Counted from outside instead: the
+    bytes are every gradient's; the wait is from the last gradient computed (a
+    post-accumulate hook on each parameter) to the end of backward, which DDP spends waiting
+    for its last buckets."""
+
+    def __init__(self, model: DistributedDataParallel, traffic: Traffic):
+        self.model = model
+        self.traffic = traffic
+        params = [p for p in model.module.parameters() if p.requires_grad]
+        self.nbytes = all_reduce_bytes(sum(p.numel() * p.element_size() for p in params),
+                                       dist.get_world_size(model.process_group))
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, _: torch.Tensor) -> None:
+        self.traffic.launched()
+
+    def after_backward(self) -> None:
+        if self.model.require_backward_grad_sync:  # False inside no_sync (accumulation)
+            self.traffic.sent(self.nbytes)
+            self.traffic.done()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class _Counted:
-    """torch's all-reduce hooks (plain, fp16, bf16), with their bytes and wait counted."""
+    """torch's half-precision hooks (fp16, bf16), with their bytes and wait counted."""
 
     def __init__(self, name: str, traffic: Traffic, group: dist.ProcessGroup | None):
-        self.inner = {"none": default_hooks.allreduce_hook,
-                      "fp16": default_hooks.fp16_compress_hook,
+        self.inner = {"fp16": default_hooks.fp16_compress_hook,
                       "bf16": default_hooks.bf16_compress_hook}[name]
-        self.wire_bytes = {"none": None, "fp16": 2, "bf16": 2}[name]
         self.traffic = traffic
         self.group = group
         self.world = dist.get_world_size(group)
@@ -59,8 +87,7 @@ class _Counted:
     @staticmethod
     def hook(self, bucket):  # no annotations: DDP checks them literally
         buffer = bucket.buffer()
-        size = self.wire_bytes or buffer.element_size()
-        self.traffic.sent(all_reduce_bytes(buffer.numel() * size, self.world))
+        self.traffic.sent(all_reduce_bytes(buffer.numel() * 2, self.world))
         self.traffic.launched()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
@@ -75,7 +102,7 @@ class _Counted:
         pass
 
 
-Compressor = _Counted | PowerSGDHook | TopKHook
+Compressor = _Uncompressed | _Counted | PowerSGDHook | TopKHook
 
 
 def apply_compression(model: DistributedDataParallel, config: CompressionConfig,
@@ -83,6 +110,8 @@ def apply_compression(model: DistributedDataParallel, config: CompressionConfig,
     """Register the communication hook ``config`` names on ``model``; returns its state,
     which checkpoints save and restore (``state_dict``/``load_state_dict``)."""
     group = model.process_group
+    if config.name == "none":
+        return _Uncompressed(model, traffic)
     if config.name == "powersgd":
         state: Compressor = PowerSGDHook(model.module, config.rank, config.warmup_steps,
                                          traffic, seed=seed, group=group)

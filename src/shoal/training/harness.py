@@ -152,6 +152,8 @@ class Harness:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass, with loss scaling under fp16."""
         self.precision.backward(loss)
+        if hasattr(self.comm, "after_backward"):
+            self.comm.after_backward()
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
