@@ -63,7 +63,8 @@ class StepMetrics:
         self.writer = MetricsWriter(config.dir, config.tensorboard) \
             if config.dir and rank == 0 else None
         self._steps: list[tuple[int, int, float, dict[str, float]]] = []  # step, epoch, lr
-        self._tensors: list[torch.Tensor] = []  # (loss, grad norm) per step
+        self._losses: list[torch.Tensor] = []  # device tensors: read once per window
+        self._norms: list[torch.Tensor | None] = []
         self.totals: list[dict[str, float]] | None = None  # rank 0: per-rank sums
         self.total_steps = 0
         self._last_straggler: tuple[int, str] | None = None
@@ -74,9 +75,8 @@ class StepMetrics:
         phases = self.clock.end_step(comm.wait, comm.blocked)
         phases.update(samples=float(samples), tokens=float(tokens), bytes=comm.bytes)
         self._steps.append((global_step, epoch, lr, phases))
-        norm = grad_norm.detach().float().reshape(()) if grad_norm is not None else \
-            torch.full((), float("nan"), device=loss.device)
-        self._tensors.append(torch.stack([loss.detach().float().reshape(()), norm]))
+        self._losses.append(loss.detach())
+        self._norms.append(grad_norm.detach() if grad_norm is not None else None)
         if len(self._steps) >= self.config.every:
             self.flush()
 
@@ -86,7 +86,11 @@ class StepMetrics:
             return
         own = torch.tensor([[p[f] for f in STEP_FIELDS] for *_, p in self._steps],
                            dtype=torch.float64)
-        own = torch.cat([own, torch.stack(self._tensors).double().cpu()], dim=1)
+        nan = torch.full((), float("nan"), device=self._losses[0].device)
+        read = torch.stack([torch.stack([loss.float().reshape(()) for loss in self._losses]),
+                            torch.stack([(n if n is not None else nan).float().reshape(())
+                                         for n in self._norms])], dim=1)
+        own = torch.cat([own, read.double().cpu()], dim=1)
         resources = self.sampler.take() if self.sampler else dict.fromkeys(
             RESOURCE_FIELDS, float("nan"))
         flat = torch.cat([own.reshape(-1), torch.tensor(
@@ -98,7 +102,7 @@ class StepMetrics:
             flat = gathered
         if self.rank == 0:
             self._report(flat.cpu().view(self.world, -1))
-        self._steps, self._tensors = [], []
+        self._steps, self._losses, self._norms = [], [], []
 
     def _report(self, table: torch.Tensor) -> None:
         n = len(self._steps)
