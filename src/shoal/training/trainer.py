@@ -321,6 +321,8 @@ class Trainer:
         if self.checkpointing.saved_step != self.global_step:
             self.checkpointing.save(consumed)
         self.checkpointing.store.wait()
+        if self._metrics:  # the last steps' figures are written too
+            self._metrics.finish(show_summary=False)
         name = signal.Signals(signum).name
         if self.harness.is_main:
             print(f"shoal: preempted by {name} at step {self.global_step}: checkpoint saved "
