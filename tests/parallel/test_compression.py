@@ -103,7 +103,7 @@ def _error_feedback(steps: int) -> dict:
     model = make_model()
     plain = make_model()  # same weights, no hook: the true gradients
     ddp = DistributedDataParallel(model)
-    state = TopKHook(model, 0.05, Traffic(1))
+    state = TopKHook(model, 0.05, Traffic())
     ddp.register_comm_hook(state, TopKHook.hook)
     x, y = make_dataset().tensors
     sent = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
@@ -143,7 +143,7 @@ def _powersgd_both_ways(steps: int) -> dict:
         # One bucket: torch's hook alone mismatches collectives on gloo with several.
         ddp = DistributedDataParallel(model)
         if kind == "shoal":
-            state = PowerSGDHook(model, rank=2, warmup_steps=2, traffic=Traffic(2), seed=5)
+            state = PowerSGDHook(model, rank=2, warmup_steps=2, traffic=Traffic(), seed=5)
             ddp.register_comm_hook(state, PowerSGDHook.hook)
         elif kind == "torch":
             ddp.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=2,

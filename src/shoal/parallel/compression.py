@@ -44,7 +44,17 @@ class CompressionConfig(BaseModel):
         return {"name": value} if isinstance(value, str) else value
 
 
-class _Uncompressed:
+class _Stateless:
+    """Nothing to checkpoint."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class _Uncompressed(_Stateless):
     """No hook: DDP's own all-reduce in C++, the fastest. Counted from outside instead: the
     bytes are every gradient's; the wait is from the last gradient computed (a
     post-accumulate hook on each parameter) to the end of backward, which DDP spends waiting
@@ -67,14 +77,8 @@ class _Uncompressed:
             self.traffic.sent(self.nbytes)
             self.traffic.done()
 
-    def state_dict(self) -> dict:
-        return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-class _Counted:
+class _Counted(_Stateless):
     """torch's half-precision hooks (fp16, bf16), with their bytes and wait counted."""
 
     def __init__(self, name: str, traffic: Traffic, group: dist.ProcessGroup | None):
@@ -94,12 +98,6 @@ class _Counted:
             self.traffic.done()
             return f.value()
         return self.inner(self.group, bucket).then(done)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 Compressor = _Uncompressed | _Counted | PowerSGDHook | TopKHook

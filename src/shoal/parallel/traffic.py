@@ -43,8 +43,7 @@ class Traffic:
     duration through ``blocking``.
     """
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self) -> None:
         self._lock = threading.Lock()  # completions are reported from communication threads
         self._bytes = 0.0
         self._blocked = 0.0

@@ -76,7 +76,7 @@ class Harness:
         self.env = rt.init(config.backend)
         self.device = rt.device()
         self.precision = Precision(config.precision, self.device)
-        self.traffic = Traffic(self.env.world_size)
+        self.traffic = Traffic()
         self.comm = None  # the compression hook's or the weight averaging's state
         self.last_comm = StepComm(0.0, 0.0, 0.0)  # what the last step sent and waited for
         self.last_grad_norm: torch.Tensor | None = None

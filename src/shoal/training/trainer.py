@@ -194,8 +194,9 @@ class Trainer:
             consumed = 0  # this loader cannot start mid-epoch: the epoch starts over
         length = agreed_length(loader, h.device)
         loss_sum = torch.zeros((), device=h.device, dtype=torch.float64)
-        micro_batches = samples = steps = 0
-        sent = waited = 0.0
+        micro_batches = samples = 0
+        traffic = h.traffic
+        before = (traffic.steps, traffic.total_bytes, traffic.total_wait)
         start = time.perf_counter()
         stopped = False
         clock = self._metrics.clock if self._metrics else None
@@ -231,8 +232,6 @@ class Trainer:
                 # The stream ended inside a window: its gradients were divided by k.
                 _rescale_gradients(model, k / (position + 1))
             self._optimizer_step(position_after(loader, micro_batches), loss)
-            steps += 1
-            sent, waited = sent + h.last_comm[0], waited + h.last_comm[1]
             if self._metrics:
                 self._metrics.step(self.global_step, self.epoch,
                                    self.optimizer.param_groups[0]["lr"],
@@ -255,10 +254,11 @@ class Trainer:
             torch.distributed.all_reduce(totals)
         train_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
         metrics = {"train_loss": train_loss}
+        steps = traffic.steps - before[0]
         if steps:  # this rank's view; the bytes are the same on every rank
             metrics.update(step_time_s=(time.perf_counter() - start) / steps,
-                           comm_bytes_per_step=sent / steps,
-                           comm_wait_s_per_step=waited / steps)
+                           comm_bytes_per_step=(traffic.total_bytes - before[1]) / steps,
+                           comm_wait_s_per_step=(traffic.total_wait - before[2]) / steps)
         return metrics, not stopped
 
     def _non_finite(self, loss: torch.Tensor | None) -> None:
