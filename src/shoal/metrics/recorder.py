@@ -36,6 +36,10 @@ class MetricsConfig(BaseModel):
     every: int = Field(50, ge=1)
     """Gather every rank's figures, look for a straggler and write them every this many
     steps (and at the end)."""
+    grad_norm_every: int | None = Field(10, ge=1)
+    """Measure the gradient norm every this many steps: a pass over every gradient, a few
+    percent of a small model's step. Steps that clip or check for non-finite gradients
+    measure it anyway and record it for free. None: only those steps."""
     resources: bool = True
     """Sample CPU %, resident memory and, on CUDA with nvidia-ml-py, GPU use per rank."""
     resource_interval: float = Field(1.0, gt=0)
@@ -68,6 +72,10 @@ class StepMetrics:
         self.totals: list[dict[str, float]] | None = None  # rank 0: per-rank sums
         self.total_steps = 0
         self._last_straggler: tuple[int, str] | None = None
+
+    def wants_grad_norm(self, global_step: int) -> bool:
+        every = self.config.grad_norm_every
+        return every is not None and global_step % every == 0
 
     def step(self, global_step: int, epoch: int, lr: float, loss: torch.Tensor,
              grad_norm: torch.Tensor | None, samples: int, tokens: int, comm) -> None:

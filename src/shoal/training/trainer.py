@@ -297,7 +297,8 @@ class Trainer:
         stepped = self.harness.step(self.optimizer, model=self.model,
                                     clip_grad_norm=c.clip_grad_norm,
                                     check_finite=c.nonfinite is not None,
-                                    measure_norm=self._metrics is not None)
+                                    measure_norm=self._metrics is not None and
+                                    self._metrics.wants_grad_norm(self.global_step + 1))
         if clock:
             clock.lap("optimizer")
         if not stepped:
