@@ -18,6 +18,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from shoal.errors import UsageError
 from shoal.launch.config import LaunchSpec
 from shoal.launch.hangwatch import HangWatch
+from shoal.launch.network import choose_interface
 from shoal.launch.ports import check_port_free
 from shoal.launch.summary import report_failure
 
@@ -129,6 +130,8 @@ def launch(spec: LaunchSpec) -> int:
     if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Several processes on one node would otherwise each start a thread per core.
         os.environ["OMP_NUM_THREADS"] = "1"
+    if spec.nnodes > 1:
+        choose_interface(spec.master_addr, spec.node_rank)
     quiet_torch_logs()
     fresh_store_per_attempt()
     # A folder of its own for every launch, also inside a reused --log-dir, so that the
