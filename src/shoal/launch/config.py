@@ -41,13 +41,26 @@ class LaunchSpec:
     nproc_per_node: int = 1
     """Worker processes on this node."""
     nnodes: int = 1
-    """Number of nodes (machines) taking part."""
+    """Number of nodes (machines) taking part; with ``min_nodes``, the most."""
+    min_nodes: int | None = None
+    """Elastic membership (``--nnodes MIN:MAX``): the job runs on as few as this many nodes;
+    a node that dies is dropped at the next restart, one that joins is taken in. None: all
+    ``nnodes`` nodes, always."""
     node_rank: int = 0
     """This node's index in ``[0, nnodes)``."""
     master_addr: str = "127.0.0.1"
     """Address of node 0, where the rendezvous store runs."""
     master_port: int | None = None
     """Port of the rendezvous store; on one node, ``None`` picks a free one."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` of the c10d rendezvous store (dynamic membership), instead of the
+    static ``master_addr``/``master_port``. Node ranks are then assigned at each rendezvous."""
+    rdzv_id: str | None = None
+    """The job's name at the c10d rendezvous: every node of one job gives the same."""
+    rdzv_host: bool = False
+    """This node hosts the c10d store (found out from its addresses when not given)."""
+    rdzv_last_call: float = 10.0
+    """Seconds a rendezvous waits for more nodes once ``min_nodes`` are there."""
     max_restarts: int = 0
     """How many times the whole worker group is restarted after a failure."""
     log_dir: str | None = None
@@ -73,7 +86,15 @@ class LaunchSpec:
             )
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
-        if self.nnodes > 1 and self.master_port is None:
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise UsageError(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got "
+                             f"{self.min_nodes}:{self.nnodes}")
+        if self.rdzv_endpoint is not None:
+            self._check_rdzv()
+        elif self.min_nodes is not None and self.min_nodes < self.nnodes:
+            raise UsageError("--nnodes MIN:MAX (elastic) needs c10d rendezvous: give "
+                             "--rdzv-endpoint HOST:PORT and --rdzv-id JOB")
+        elif self.nnodes > 1 and self.master_port is None:
             raise UsageError("--master-port is required when --nnodes is more than 1")
         if self.hang_timeout is not None and self.hang_timeout <= 0:
             raise UsageError(f"--hang-timeout must be positive, got {self.hang_timeout}")
@@ -83,6 +104,20 @@ class LaunchSpec:
             raise UsageError(f"script not found: {self.entry}")
         if self.module:
             self._check_module_importable()
+
+    def _check_rdzv(self) -> None:
+        host, _, port = (self.rdzv_endpoint or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {self.rdzv_endpoint!r}")
+        if not self.rdzv_id:
+            raise UsageError("--rdzv-endpoint needs --rdzv-id JOB (the same on every node)")
+        if self.rdzv_last_call < 0:
+            raise UsageError(f"--rdzv-last-call must be 0 or more, got {self.rdzv_last_call}")
+
+    @property
+    def elastic(self) -> bool:
+        """Node ranks come from a c10d rendezvous rather than from ``node_rank``."""
+        return self.rdzv_endpoint is not None
 
     def _check_module_importable(self) -> None:
         import importlib.util

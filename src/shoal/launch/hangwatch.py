@@ -8,12 +8,14 @@ workers, so the job ends instead of waiting forever.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.runtime import heartbeat
@@ -78,14 +80,21 @@ def report(positions: list[RankPosition], timeout: float) -> str:
 
 
 class HangWatch(threading.Thread):
-    """Watches the heartbeats of this node's ranks; on a hang, reports and kills them."""
+    """Watches the heartbeats of this node's ranks; on a hang, reports and kills them.
 
-    def __init__(self, directory: str, ranks: range, timeout: float, poll: float = 0.5):
+    The ranks are found from their beat files: under elastic rendezvous a node learns its
+    global ranks only when the workers start, and they may change at each restart.
+    ``network(seconds)`` names the nodes not heard from for that long (multi-node jobs).
+    """
+
+    def __init__(self, directory: str, local_ranks: int, timeout: float, poll: float = 0.5,
+                 network: Callable[[float], list[str]] | None = None):
         super().__init__(daemon=True, name="shoal-hang-watch")
         self.directory = directory
-        self.ranks = ranks
+        self.local_ranks = local_ranks
         self.timeout = timeout
         self.poll = poll
+        self.network = network
         self.report: str | None = None
         self._stop = threading.Event()
         self._killed: set[int] = set()  # pids already diagnosed (a restart brings new ones)
@@ -93,11 +102,20 @@ class HangWatch(threading.Thread):
     def stop(self) -> None:
         self._stop.set()
 
+    def _live_beats(self) -> dict[int, tuple[float, int, int]]:
+        """rank -> beat, for the ranks whose process is alive and not yet diagnosed."""
+        beats = {}
+        for path in glob.glob(os.path.join(self.directory, "rank*.beat")):
+            beat = heartbeat.read(path)
+            if beat is None or beat[2] in self._killed or not _alive(beat[2]):
+                continue
+            beats[int(os.path.basename(path)[4:-5])] = beat
+        return beats
+
     def run(self) -> None:
         while not self._stop.wait(self.poll):
-            beats = {r: heartbeat.read(heartbeat.beat_path(self.directory, r))
-                     for r in self.ranks}
-            if any(b is None or b[2] in self._killed for b in beats.values()):
+            beats = self._live_beats()
+            if len(beats) < self.local_ranks:
                 continue  # not all ranks started (or a restart is under way)
             if not any(step >= 0 for _, step, _ in beats.values()):
                 continue  # not armed: no rank has beaten yet
@@ -115,11 +133,24 @@ class HangWatch(threading.Thread):
             with open(heartbeat.stack_path(self.directory, rank), errors="replace") as f:
                 positions.append(locate(rank, step, f.read()))
         text = report(positions, self.timeout)
+        lost = self.network(max(2.0, min(self.timeout / 2, 5.0))) if self.network else []
+        if lost:
+            text += "\n  network: " + "\n  network: ".join(lost)
         self.report = self.report or text
         print(text, file=sys.stderr, flush=True)
         for _, _, pid in beats.values():
             self._killed.add(pid)
             _signal(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -19,6 +19,7 @@ from shoal.errors import UsageError
 from shoal.launch.config import LaunchSpec
 from shoal.launch.hangwatch import HangWatch
 from shoal.launch.network import choose_interface
+from shoal.launch.nodes import NodeWatch
 from shoal.launch.ports import check_port_free
 from shoal.launch.summary import report_failure
 
@@ -30,7 +31,12 @@ _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 def _is_local(addr: str) -> bool:
     import socket
 
+    import psutil
+
     if addr in _LOCAL_HOSTS:
+        return True
+    if addr in {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values()
+                for a in addrs}:
         return True
     try:
         return addr in {socket.gethostname(), socket.getfqdn()} or addr in {
@@ -38,6 +44,33 @@ def _is_local(addr: str) -> bool:
         }
     except OSError:
         return False
+
+
+def _listening(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _hosts_store(spec: LaunchSpec) -> bool:
+    """Whether this node starts the c10d store: told so, or the endpoint is one of its own
+    addresses and no store listens there yet (a second node on the same machine joins it)."""
+    if spec.rdzv_host:
+        return True
+    host, port = store_address(spec)
+    return host not in _LOCAL_HOSTS and _is_local(host) and not _listening(host, port)
+
+
+def store_address(spec: LaunchSpec) -> tuple[str, int]:
+    """Where the job's rendezvous store listens: the c10d endpoint, or the master."""
+    if spec.rdzv_endpoint:
+        host, _, port = spec.rdzv_endpoint.rpartition(":")
+        return host, int(port)
+    return spec.master_addr, spec.master_port or 0
 
 
 def fresh_store_per_attempt() -> None:
@@ -50,9 +83,19 @@ def fresh_store_per_attempt() -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
-def build_launch_config(spec: LaunchSpec, log_dir: str) -> LaunchConfig:
-    """Map the validated spec onto torch's own LaunchConfig."""
-    if spec.nnodes == 1 and spec.master_port is None:
+def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = None
+                        ) -> LaunchConfig:
+    """Map the validated spec onto torch's own LaunchConfig.
+
+    ``address``: this node's address as the other nodes reach it (multi-node). The node
+    that gets rank 0 tells the workers of every node to meet there (MASTER_ADDR)."""
+    if spec.rdzv_endpoint:
+        rdzv_backend, endpoint, run_id = "c10d", spec.rdzv_endpoint, spec.rdzv_id
+        rdzv_configs = {"last_call_timeout": spec.rdzv_last_call}
+        host, _ = store_address(spec)
+        if host not in _LOCAL_HOSTS:  # torch guesses from the hostname, which may not resolve
+            rdzv_configs["is_host"] = _hosts_store(spec)
+    elif spec.nnodes == 1 and spec.master_port is None:
         # The c10d store binds port 0, so the OS picks a free port: no "address in use" race.
         rdzv_backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {}
         run_id = f"shoal-{uuid.uuid4().hex[:8]}"
@@ -63,7 +106,7 @@ def build_launch_config(spec: LaunchSpec, log_dir: str) -> LaunchConfig:
         # Every node must name the same run, and each derives it from the same flags.
         run_id = f"shoal-{spec.master_addr}-{spec.master_port}"
     return LaunchConfig(
-        min_nodes=spec.nnodes,
+        min_nodes=spec.min_nodes or spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc_per_node,
         run_id=run_id,
@@ -79,7 +122,7 @@ def build_launch_config(spec: LaunchSpec, log_dir: str) -> LaunchConfig:
         # the workers, and gives them time to save a checkpoint before SIGKILL.
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        local_addr=spec.master_addr if spec.nnodes == 1 else None,
+        local_addr=address or (spec.master_addr if spec.nnodes == 1 else None),
     )
 
 
@@ -93,14 +136,27 @@ def _new_log_dir(parent: str | None) -> str:
         raise UsageError(f"--log-dir {parent}: {exc.strerror}") from None
 
 
-def _start_hang_watch(spec: LaunchSpec, log_dir: str) -> HangWatch | None:
+def _start_hang_watch(spec: LaunchSpec, log_dir: str, nodes: NodeWatch | None
+                      ) -> HangWatch | None:
     if spec.hang_timeout is None:
         return None
     directory = os.path.join(log_dir, "heartbeats")
     os.makedirs(directory, exist_ok=True)
     os.environ["SHOAL_HEARTBEAT_DIR"] = directory  # the workers inherit it
-    first = spec.node_rank * spec.nproc_per_node
-    watch = HangWatch(directory, range(first, first + spec.nproc_per_node), spec.hang_timeout)
+    watch = HangWatch(directory, spec.nproc_per_node, spec.hang_timeout,
+                      network=nodes.silent if nodes else None)
+    watch.start()
+    return watch
+
+
+def _start_node_watch(spec: LaunchSpec) -> NodeWatch | None:
+    """Multi-node: choose the interface that reaches the store, and beat there."""
+    if spec.nnodes == 1:
+        return None
+    host, port = store_address(spec)
+    _, address = choose_interface(host, "this node" if spec.elastic
+                                  else f"node {spec.node_rank}")
+    watch = NodeWatch(host, port, address)
     watch.start()
     return watch
 
@@ -130,18 +186,17 @@ def launch(spec: LaunchSpec) -> int:
     if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Several processes on one node would otherwise each start a thread per core.
         os.environ["OMP_NUM_THREADS"] = "1"
-    if spec.nnodes > 1:
-        choose_interface(spec.master_addr, spec.node_rank)
+    nodes = _start_node_watch(spec)
     quiet_torch_logs()
     fresh_store_per_attempt()
     # A folder of its own for every launch, also inside a reused --log-dir, so that the
     # failure summary never reads an older job's error files.
     log_dir = _new_log_dir(spec.log_dir)
-    config = build_launch_config(spec, log_dir)
+    config = build_launch_config(spec, log_dir, nodes.address if nodes else None)
     if spec.debug:
         # torch checks every collective's fingerprint across ranks and names a mismatch.
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    watch = _start_hang_watch(spec, log_dir)
+    watch = _start_hang_watch(spec, log_dir, nodes)
     try:
         elastic_launch(config, sys.executable)(*_worker_argv(spec))
     except SignalException as exc:
@@ -159,8 +214,9 @@ def launch(spec: LaunchSpec) -> int:
         # The logs stay: the summary points to them.
         return report_failure(failed, log_dir, first_rank=spec.node_rank * spec.nproc_per_node)
     finally:
-        if watch is not None:
-            watch.stop()
+        for thread in (watch, nodes):
+            if thread is not None:
+                thread.stop()
     if spec.log_dir is None:
         shutil.rmtree(log_dir, ignore_errors=True)  # output was shown; nothing to keep
     return 0

@@ -45,14 +45,17 @@ def route_to(host: str) -> tuple[str | None, str]:
     return None, local
 
 
-def choose_interface(master_addr: str, node_rank: int) -> None:
-    """Point gloo and NCCL at the interface that reaches the master (unless the user did)."""
+def choose_interface(master_addr: str, node: str) -> tuple[str | None, str]:
+    """Point gloo and NCCL at the interface that reaches the master (unless the user did).
+
+    Returns the interface and this node's address on it."""
     name, local = route_to(master_addr)
     if name is None:
-        return
+        return name, local
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if variable not in os.environ:
             os.environ[variable] = name
     chosen = os.environ["GLOO_SOCKET_IFNAME"]
-    print(f"shoal: node {node_rank} reaches the master {master_addr} through {chosen} "
-          f"({local})", file=sys.stderr, flush=True)
+    print(f"shoal: {node} reaches the master {master_addr} through {chosen} ({local})",
+          file=sys.stderr, flush=True)
+    return name, local

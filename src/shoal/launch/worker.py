@@ -7,6 +7,7 @@ file torch.distributed.elastic gives each worker, so the launcher can report it 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import os
@@ -69,7 +70,10 @@ def _shut_down(namespace: dict) -> None:
 
 
 def main() -> None:
-    _die_with_launcher()
+    # Run in place of a scheduler's task (shoal.launch.direct), no launcher is the parent:
+    # a parent of pid 1 (tini, a container's init) is then no sign of a dead launcher.
+    if os.environ.pop("SHOAL_IN_PLACE", None) != "1":
+        _die_with_launcher()
     # Worker output goes to files: line buffering keeps it live and loses nothing on exit.
     sys.stdout.reconfigure(line_buffering=True)
     from shoal.runtime import heartbeat
@@ -94,6 +98,20 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 0 without the interpreter's finalization (atexit handlers still run).
+
+    Even with the group destroyed, objects of torch's C++ side torn down by static
+    destructors at finalization abort the process now and then ("terminate called without
+    an active exception"), and a finished job reads as failed.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
