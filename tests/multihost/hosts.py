@@ -10,7 +10,8 @@ Each host is a namespace with one interface, ``eth0``, whose address is in 198.1
 (``host0``, ``host1``, ...; a UTS namespace per command). The hosts' other ends are joined
 by a bridge in the root namespace, which has no address itself: the hosts reach each other
 and nothing else. Everything is removed on exit, with every process still running inside.
-Needs root and iproute2; ``unavailable()`` says why not.
+Needs root and iproute2; ``unavailable()`` says why not. ``netem_unavailable()`` says why
+latency cannot be added (kernels built without the netem qdisc, such as some VM kernels).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 SUBNET_PREFIX = "198.18"
@@ -43,11 +45,25 @@ def unavailable() -> str | None:
     return None
 
 
+def netem_unavailable() -> str | None:
+    """Why the netem qdisc (latency) cannot be used here, or None when it can."""
+    with Hosts(1) as probe:
+        try:
+            probe.netem(0, delay="1ms")
+        except RuntimeError as exc:
+            return f"this kernel has no netem qdisc ({exc})"
+    return None
+
+
 class Hosts:
     """``n`` hosts named host0..host{n-1} at 198.18.<net>.1.. (``net`` from the pid)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, wire_delay: float | None = None):
+        if wire_delay is not None and n != 2:
+            raise ValueError("a wire joins exactly 2 hosts")
         self.n = n
+        self.wire_delay = wire_delay
+        self._wire: subprocess.Popen | None = None
         tag = os.getpid() % 100000
         self.net = tag % 250 + 1  # concurrent test runs use different /24s
         self.bridge = f"shbr{tag}"
@@ -62,6 +78,8 @@ class Hosts:
         return f"host{i}"
 
     def __enter__(self) -> Hosts:
+        if self.wire_delay is not None:
+            return self._wired()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
@@ -79,6 +97,23 @@ class Hosts:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _wired(self) -> Hosts:
+        """Two hosts joined by a user-space cable with latency (wire.py) instead of a bridge."""
+        try:
+            for ns in self.namespaces:
+                _ip("netns", "add", ns)
+                _ip("-n", ns, "link", "set", "lo", "up")
+            self._wire = subprocess.Popen(
+                [sys.executable, os.path.join(os.path.dirname(__file__), "wire.py"),
+                 *self.namespaces, *(f"{self.addr(i)}/24" for i in range(2)),
+                 "--delay", str(self.wire_delay)], stdout=subprocess.PIPE, text=True)
+            if self._wire.stdout.readline().strip() != "ready":
+                raise RuntimeError("the wire between the test hosts did not come up")
+        except BaseException:
+            self.close()
+            raise
+        return self
 
     def command(self, i: int, argv: list[str]) -> list[str]:
         """``argv`` run on host ``i`` (its namespace and hostname)."""
@@ -111,23 +146,45 @@ class Hosts:
 
     def set_link(self, i: int, up: bool) -> None:
         """Plug host ``i``'s cable in or out (the bridge side, as a switch port)."""
-        _ip("link", "set", self._veths[i], "up" if up else "down")
+        if self._wire is not None:
+            _ip("-n", self.namespaces[i], "link", "set", "eth0", "up" if up else "down")
+        else:
+            _ip("link", "set", self._veths[i], "up" if up else "down")
 
     def netem(self, i: int, rate: str | None = None, delay: str | None = None) -> None:
         """Limit host ``i``'s outgoing bandwidth and add latency (tc netem)."""
         options = [*(["delay", delay] if delay else []), *(["rate", rate] if rate else [])]
-        subprocess.run(["tc", "-n", self.namespaces[i], "qdisc", "replace", "dev", "eth0",
-                        "root", "netem", *options], check=True, capture_output=True)
+        self._qdisc(i, "netem", *options)
+
+    def limit(self, i: int, rate: str) -> None:
+        """Limit host ``i``'s outgoing bandwidth only (a token bucket: kernels without
+        netem have it)."""
+        self._qdisc(i, "tbf", "rate", rate, "burst", "64kb", "latency", "50ms")
+
+    def unlimit(self, i: int) -> None:
+        subprocess.run(["tc", "-n", self.namespaces[i], "qdisc", "del", "dev", "eth0", "root"],
+                       capture_output=True)
+
+    def _qdisc(self, i: int, *qdisc: str) -> None:
+        done = subprocess.run(["tc", "-n", self.namespaces[i], "qdisc", "replace", "dev",
+                               "eth0", "root", *qdisc], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"tc qdisc {qdisc[0]} on host{i}: {done.stderr.strip()}")
 
     def block_port(self, i: int, port: int) -> None:
-        """Drop TCP packets arriving at host ``i`` for ``port`` (a firewall rule)."""
-        tc = ["tc", "-n", self.namespaces[i]]
-        subprocess.run([*tc, "qdisc", "add", "dev", "eth0", "ingress"], check=True,
-                       capture_output=True)
-        subprocess.run([*tc, "filter", "add", "dev", "eth0", "parent", "ffff:", "protocol",
-                        "ip", "u32", "match", "ip", "protocol", "6", "0xff", "match", "ip",
-                        "dport", str(port), "0xffff", "action", "drop"], check=True,
-                       capture_output=True)
+        """Drop TCP packets arriving at host ``i``'s eth0 for ``port`` (a firewall rule).
+
+        A policy-routing rule (``blackhole``) rather than a tc filter: it needs no traffic
+        control modules in the kernel (many VM kernels have no ``act_gact``). The rule must
+        come before the lookup of local addresses (priority 0), which moves to 100 once.
+        Connections from the host to itself (loopback) are not affected.
+        """
+        ns = self.namespaces[i]
+        if _ip("-n", ns, "rule", "show", "pref", "0").stdout.strip():
+            _ip("-n", ns, "rule", "add", "pref", "100", "lookup", "local")
+            _ip("-n", ns, "rule", "del", "pref", "0")
+        _ip("-n", ns, "rule", "add", "pref", "10", "iif", "eth0", "ipproto", "tcp", "dport",
+            str(port), "blackhole")
 
     def alive(self, i: int) -> list[int]:
         return self.pids(i)
@@ -142,6 +199,9 @@ class Hosts:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        if self._wire is not None:
+            self._wire.kill()
+            self._wire.wait()
         for ns in self.namespaces:
             _ip("netns", "del", ns, check=False)
         for veth in self._veths:

@@ -64,6 +64,12 @@ def measure(nbytes: int, iters: int, warmup: int, device: torch.device) -> float
     return elapsed.item()
 
 
+def bandwidths(nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """(algorithm, bus) bandwidth in bytes/s of an all-reduce of ``nbytes`` in ``seconds``."""
+    algbw = nbytes / seconds
+    return algbw, algbw * 2 * (world_size - 1) / world_size
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="shoal.bench.allreduce")
     parser.add_argument("--min-size", type=parse_size, default=parse_size("1K"))
@@ -81,9 +87,9 @@ def main(argv: list[str] | None = None) -> None:
         # Fewer repetitions for large messages: each is already long enough to time.
         iters = max(2, min(args.iters, int(args.iters * 2**22 / max(nbytes, 1))))
         seconds = measure(nbytes, iters, min(args.warmup, iters), device)
-        algbw = nbytes / seconds
+        algbw, busbw = bandwidths(nbytes, seconds, n)
         rows.append({"bytes": nbytes, "seconds": seconds, "algbw_GBps": algbw / 1e9,
-                     "busbw_GBps": algbw * 2 * (n - 1) / n / 1e9})
+                     "busbw_GBps": busbw / 1e9})
     if env.rank == 0:
         print(f"all-reduce, fp32, {n} processes, backend {dist.get_backend()}, "
               f"device {device.type}")

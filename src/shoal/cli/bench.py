@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shoal.cli.run import add_launch_arguments, spec_from_args
+from shoal.cli.run import add_launch_arguments, detect_cluster, spec_from_args, start
 from shoal.errors import UsageError
 
 
@@ -47,7 +47,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def allreduce_command(args: argparse.Namespace) -> int:
     from shoal.bench.allreduce import parse_size
-    from shoal.launch import launch
 
     try:
         sizes = [parse_size(args.min_size), parse_size(args.max_size)]
@@ -59,7 +58,9 @@ def allreduce_command(args: argparse.Namespace) -> int:
                   "--factor", str(args.factor), "--iters", str(args.iters)]
     if args.json:
         bench_args += ["--json", str(Path(args.json).resolve())]
-    return launch(spec_from_args(args, "shoal.bench.allreduce", bench_args, module=True))
+    cluster = detect_cluster(args)
+    return start(spec_from_args(args, "shoal.bench.allreduce", bench_args, module=True,
+                                cluster=cluster), cluster)
 
 
 def scaling_command(args: argparse.Namespace) -> int:

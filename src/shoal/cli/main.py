@@ -5,31 +5,39 @@ from __future__ import annotations
 import sys
 
 from shoal.cli import bench as bench_cmd
+from shoal.cli import data as data_cmd
+from shoal.cli import doctor as doctor_cmd
 from shoal.cli import env as env_cmd
+from shoal.cli import k8s as k8s_cmd
 from shoal.cli import run as run_cmd
+from shoal.cli import slurm as slurm_cmd
 from shoal.cli import train as train_cmd
 from shoal.cli.parser import Parser
 from shoal.errors import UsageError
 
 
-def build_parser() -> tuple[Parser, Parser]:
-    """The `shoal` parser, and its `train` subparser."""
+def build_parser() -> tuple[Parser, dict[str, Parser]]:
+    """The `shoal` parser, and its subparsers that take overrides among their flags."""
     parser = Parser(prog="shoal", description="Distributed PyTorch training that keeps running.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     subparsers.required = True
     run_cmd.register(subparsers)
     train = train_cmd.register(subparsers)
     env_cmd.register(subparsers)
+    doctor_cmd.register(subparsers)
     bench_cmd.register(subparsers)
-    return parser, train
+    data_cmd.register(subparsers)
+    intermixed = {"train": train, "slurm": slurm_cmd.register(subparsers),
+                  "k8s": k8s_cmd.register(subparsers)}
+    return parser, intermixed
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser, train = build_parser()
-    if argv[:1] == ["train"]:
+    parser, intermixed = build_parser()
+    if argv[:1] and argv[0] in intermixed:
         # Overrides and flags in any order: 'a=1 --nproc-per-node 2 b=2'.
-        args = train.parse_intermixed_args(argv[1:])
+        args = intermixed[argv[0]].parse_intermixed_args(argv[1:])
     else:
         args = parser.parse_args(argv)
     try:

@@ -3,21 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
+from shoal.errors import UsageError
 from shoal.launch import LaunchSpec, launch
+from shoal.launch.cluster import ClusterEnv, detect
 from shoal.launch.config import resolve_nproc
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """The topology flags shared by `shoal run` and `shoal train`."""
+    # Topology flags default to None, "not given": then the values of a scheduler found in
+    # the environment (SLURM, MPI, Kubernetes; see shoal.launch.cluster) apply, if any.
     parser.add_argument("--nproc-per-node", default=None,
-                        help="worker processes on this node: a number or 'auto' (default 1)")
-    parser.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (default 0)")
-    parser.add_argument("--master-addr", default="127.0.0.1",
-                        help="address of node 0 (default 127.0.0.1)")
+                        help="worker processes on this node: a number or 'auto' "
+                        "(default: the scheduler's, else 1)")
+    parser.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
+                        help="number of nodes (default: the scheduler's, else 1); MIN:MAX is "
+                        "elastic: the job goes on with as few as MIN nodes (needs "
+                        "--rdzv-endpoint)")
+    parser.add_argument("--node-rank", type=int, default=None,
+                        help="this node's rank (default: the scheduler's, else 0)")
+    parser.add_argument("--master-addr", default=None,
+                        help="address of node 0 (default: the scheduler's, else 127.0.0.1)")
     parser.add_argument("--master-port", type=int, default=None,
-                        help="port on node 0; on one node a free port is picked if omitted")
+                        help="port on node 0 (default: the scheduler's; on one node a free "
+                        "port is picked)")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="c10d rendezvous store: node ranks are assigned when nodes meet "
+                        "(instead of --node-rank/--master-addr/--master-port)")
+    parser.add_argument("--rdzv-id", default=None, metavar="JOB",
+                        help="the job's name at the rendezvous, the same on every node")
+    parser.add_argument("--rdzv-host", action="store_true",
+                        help="this node hosts the rendezvous store (default: the node that "
+                        "owns the endpoint's address)")
+    parser.add_argument("--rdzv-last-call", type=float, default=10.0, metavar="SECONDS",
+                        help="once MIN nodes are there, wait this long for more (default 10)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart all workers up to K times after a failure (default 0)")
     parser.add_argument("--log-dir", default=None, help="keep one log per rank in DIR")
@@ -43,19 +65,73 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_command)
 
 
+def _node_counts(value: str) -> dict[str, int | None]:
+    """``--nnodes N`` or ``MIN:MAX`` as LaunchSpec fields."""
+    low, sep, high = str(value).partition(":")
+    try:
+        counts = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise UsageError(f"--nnodes must be N or MIN:MAX, got {value!r}") from None
+    return {"nnodes": counts[1], "min_nodes": counts[0] if sep else None}
+
+
+def detect_cluster(args: argparse.Namespace) -> ClusterEnv | None:
+    """The scheduler's description of this job (SLURM, MPI, Kubernetes, torchrun), or None.
+
+    Flags win: with all four of --nnodes, --node-rank, --master-addr and --master-port
+    nothing is detected; --master-addr and --master-port take the place of MASTER_ADDR and
+    MASTER_PORT. Where the scheduler started every worker itself, the flags that size a node
+    of workers are refused, since shoal starts none.
+    """
+    if args.rdzv_endpoint is not None or None not in (
+            args.nnodes, args.node_rank, args.master_addr, args.master_port):
+        return None
+    environ = dict(os.environ)
+    if args.master_addr is not None:
+        environ["MASTER_ADDR"] = args.master_addr
+    if args.master_port is not None:
+        environ["MASTER_PORT"] = str(args.master_port)
+    cluster = detect(environ)
+    if cluster is not None and cluster.per_process:
+        for flag, value in (("--nproc-per-node", args.nproc_per_node),
+                            ("--nnodes", args.nnodes), ("--node-rank", args.node_rank)):
+            if value is not None:
+                raise UsageError(
+                    f"{flag}: {cluster.label} started every worker process itself "
+                    f"({cluster.world_size} in all, this one rank {cluster.rank}), so shoal "
+                    f"starts none; drop {flag}, or start one task per node "
+                    "(srun --ntasks-per-node=1) for shoal to start the workers")
+    return cluster
+
+
+def _given(*values):
+    """The first value that is not None: a flag, then the scheduler's, then the default."""
+    return next(value for value in values if value is not None)
+
+
 def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
-                   module: bool, nproc_default: int | str = 1) -> LaunchSpec:
-    """Build the LaunchSpec from parsed flags; validation happens in LaunchSpec itself."""
-    nproc = args.nproc_per_node if args.nproc_per_node is not None else nproc_default
+                   module: bool, nproc_default: int | str = 1,
+                   cluster: ClusterEnv | None = None) -> LaunchSpec:
+    """Build the LaunchSpec from parsed flags, then a per-node ``cluster``'s values, then the
+    defaults; validation happens in LaunchSpec itself."""
+    node = cluster if cluster is not None and not cluster.per_process else None
+    counts = (_node_counts(args.nnodes) if args.nnodes is not None
+              else {"nnodes": node.nnodes if node else 1, "min_nodes": None})
     return LaunchSpec(
         entry=entry,
         args=script_args,
         module=module,
-        nproc_per_node=resolve_nproc(nproc),
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
+        nproc_per_node=resolve_nproc(_given(args.nproc_per_node,
+                                            node and node.nproc_per_node, nproc_default)),
+        **counts,
+        node_rank=_given(args.node_rank, node and node.node_rank, 0),
+        master_addr=_given(args.master_addr, node and node.master_addr, "127.0.0.1"),
+        master_port=args.master_port if args.master_port is not None or node is None
+        else node.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        rdzv_host=args.rdzv_host,
+        rdzv_last_call=args.rdzv_last_call,
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
         hang_timeout=args.hang_timeout or None,
@@ -63,6 +139,37 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
     )
 
 
-def run_command(args: argparse.Namespace) -> int:
-    spec = spec_from_args(args, args.entry, args.args, args.module)
+def announce(spec: LaunchSpec, cluster: ClusterEnv | None) -> None:
+    """One line on stderr, from node 0 (or rank 0), about what the scheduler said."""
+    if cluster is None:
+        return
+    def count(n: int | None, noun: str) -> str:
+        return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+    if cluster.per_process:
+        if cluster.rank == 0:
+            nodes = (f" ({count(cluster.nnodes, 'node')} x {cluster.local_world_size})"
+                     if cluster.nnodes else "")
+            sys.stderr.write(f"shoal: {cluster.label}: {count(cluster.world_size, 'process')}"
+                             f"{nodes} started by the scheduler, master {cluster.master_addr}:"
+                             f"{cluster.master_port}\n")
+    elif spec.node_rank == 0:
+        sys.stderr.write(f"shoal: {cluster.label}: {count(spec.nnodes, 'node')} x "
+                         f"{count(spec.nproc_per_node, 'process')}, master "
+                         f"{spec.master_addr}:{spec.master_port}\n")
+
+
+def start(spec: LaunchSpec, cluster: ClusterEnv | None) -> int:
+    """Launch the workers; where the scheduler started every worker, become this one."""
+    announce(spec, cluster)
+    if cluster is not None and cluster.per_process:
+        from shoal.launch.direct import run_in_place
+
+        run_in_place(spec, cluster)
     return launch(spec)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    cluster = detect_cluster(args)
+    spec = spec_from_args(args, args.entry, args.args, args.module, cluster=cluster)
+    return start(spec, cluster)

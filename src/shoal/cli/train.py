@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shoal.cli.run import add_launch_arguments, spec_from_args
+from shoal.cli.run import add_launch_arguments, announce, detect_cluster, spec_from_args, start
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -28,17 +28,25 @@ def train_command(args: argparse.Namespace) -> int:
     config = load_run_config(args.config, args.overrides)
     if args.nproc_per_node is not None:
         config.run.nproc_per_node = args.nproc_per_node  # validated again by spec_from_args
+    cluster = detect_cluster(args)
     spec = spec_from_args(args, "shoal.training.entry", [], module=True,
-                          nproc_default=config.run.nproc_per_node)
-    config.run.nproc_per_node = spec.nproc_per_node
-    resolved = save_run_config(config) if args.node_rank == 0 else None
-    if spec.world_size == 1:
+                          nproc_default=config.run.nproc_per_node, cluster=cluster)
+    # Where the scheduler started every worker (srun -n 8, mpirun), this process is one rank.
+    in_place = cluster is not None and cluster.per_process
+    if in_place:
+        config.run.nproc_per_node = cluster.local_world_size or 1
+        first = cluster.rank == 0
+    else:
+        config.run.nproc_per_node = spec.nproc_per_node
+        first = spec.node_rank == 0
+    resolved = save_run_config(config) if first else None
+    if spec.world_size == 1 and not in_place:
         from shoal.training.entry import train_from_config
 
+        announce(spec, cluster)
         train_from_config(config)
         return 0
-    from shoal.launch import launch
-
+    # The others read the config and overrides themselves, without waiting for the file.
     spec.args = ["--config", str(resolved or args.config), *(
         [] if resolved else args.overrides)]
-    return launch(spec)
+    return start(spec, cluster)

@@ -1,6 +1,7 @@
 """Worker entry of `shoal train`: build everything from a resolved config and fit.
 
-Run by the launcher as ``python -m shoal.training.entry --config RUN_DIR/config.yaml``.
+Run by the launcher as ``python -m shoal.training.entry --config RUN_DIR/config.yaml``
+(node 0), or ``--config RUN.yaml key.sub=value ...`` (the other nodes).
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def train_from_config(config: RunConfig) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="shoal.training.entry")
     parser.add_argument("--config", required=True)
+    # Nodes other than 0 read the user's config and overrides, not node 0's resolved copy.
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_args()
     from shoal.runtime import dist as rt
 
-    train_from_config(load_run_config(args.config))
+    train_from_config(load_run_config(args.config, args.overrides))
     # The Trainer (and its DDP wrapper) is gone by now; the group can go safely.
     rt.cleanup()
 
