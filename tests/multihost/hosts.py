@@ -77,7 +77,18 @@ class Hosts:
     def hostname(self, i: int) -> str:
         return f"host{i}"
 
+    def _write_hosts_files(self) -> None:
+        """Each host resolves every host's name, as on a cluster (``ip netns exec`` mounts
+        /etc/netns/NAME/hosts over /etc/hosts)."""
+        table = "127.0.0.1 localhost\n" + "".join(
+            f"{self.addr(i)} {self.hostname(i)}\n" for i in range(self.n))
+        for ns in self.namespaces:
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write(table)
+
     def __enter__(self) -> Hosts:
+        self._write_hosts_files()
         if self.wire_delay is not None:
             return self._wired()
         try:
@@ -204,6 +215,7 @@ class Hosts:
             self._wire.wait()
         for ns in self.namespaces:
             _ip("netns", "del", ns, check=False)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         for veth in self._veths:
             _ip("link", "del", veth, check=False)
         _ip("link", "del", self.bridge, check=False)
