@@ -102,6 +102,9 @@ def test_failed_worker_is_named_and_nothing_is_left(script, mode, cause, code):
         assert "Traceback of rank 1:" in out.stderr
         assert "ValueError: injected failure on rank 1" in out.stderr
         assert "shoal/launch/worker.py" not in out.stderr.split("Traceback of rank 1:")[1]
+    if mode == "exit3":  # a rank that chose to exit: where, without a traceback
+        assert f"rank 1 called sys.exit at {script}:" in out.stderr
+        assert "Traceback of rank 1" not in out.stderr
     assert processes_with(script.name) == []
 
 

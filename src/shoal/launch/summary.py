@@ -162,7 +162,14 @@ def report_failure(failed: ChildFailedError, log_dir: str, first_rank: int = 0,
         console.print(f"  rank {rank}: {classify(failures[rank]).text}",
                       markup=False, soft_wrap=True)
     trace = first_traceback(root, log_dir)
-    if trace:
+    if trace and _recorded_message(root).startswith("SystemExit"):
+        # The rank chose to exit (its own message is in its output above): where, not a
+        # traceback.
+        calls = re.findall(r'File "([^"]+)", line (\d+)', trace)
+        if calls:
+            console.print(f"  rank {root_rank} called sys.exit at {calls[-1][0]}:"
+                          f"{calls[-1][1]}", markup=False, soft_wrap=True)
+    elif trace:
         console.print(f"Traceback of rank {root_rank}:", style="bold")
         console.print(trace, markup=False, soft_wrap=True)
     console.print(f"Per-rank logs: {log_dir}", markup=False, soft_wrap=True)
