@@ -1,0 +1,145 @@
+"""Meshes of two dimensions at W=4 (dp x tp, pp x dp, pp x tp) train like one process.
+
+With dp, each dp rank gets its half of every batch and the gradients are averaged over dp,
+so the run equals one process on the whole batch: the same reference as the 1-D tests.
+The dp dimension is torch's FSDP2 (``fully_shard``: each block one unit, then the root),
+called directly: shoal.parallel.fsdp.apply_fsdp broadcasts parameters first, which
+DTensor parameters (after tensor parallelism) do not support yet.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import shoal
+from shoal.examples.gpt import loss
+from shoal.parallel.pipeline_parallel import PipelineConfig, apply_pp
+from shoal.parallel.tensor_parallel import apply_tp
+from tests.parallel.gpt_reference import (
+    BATCH,
+    Run,
+    assert_matches,
+    batches,
+    full,
+    make_model,
+    make_optimizer,
+    reference_run,
+)
+
+DP = 2
+
+
+def _my_half(tensor: torch.Tensor, dp_rank: int) -> torch.Tensor:
+    share = BATCH // DP
+    return tensor[dp_rank * share:(dp_rank + 1) * share]
+
+
+def _fully_shard(model: nn.Module, blocks, mesh) -> nn.Module:
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _mean_over(value: torch.Tensor, mesh) -> float:
+    dist.all_reduce(value, group=mesh.get_group())
+    return value.item() / mesh.size()
+
+
+def _dp_tp() -> dict:
+    """TP inside each pair of ranks, then FSDP over the dp pairs (torch's documented order)."""
+    mesh = init_device_mesh("cpu", (DP, 2), mesh_dim_names=("dp", "tp"))
+    model = apply_tp(make_model(), mesh["tp"])
+    _fully_shard(model, model.blocks, mesh["dp"])
+    optimizer = make_optimizer(model.parameters())
+    dp_rank = mesh["dp"].get_local_rank()
+    logits, grads, losses = None, {}, []
+    for x, y in batches():
+        out = model(_my_half(x, dp_rank))
+        value = loss(out, _my_half(y, dp_rank))
+        optimizer.zero_grad()
+        value.backward()
+        if logits is None:
+            logits = out.detach().clone()
+            grads = {n: full(p.grad) for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(_mean_over(value.detach(), mesh["dp"]))
+    weights = {k: full(v) for k, v in model.state_dict().items()}
+    return {"run": Run(None, grads, losses, weights), "logits": logits, "dp_rank": dp_rank}
+
+
+def _dp_pp() -> dict:
+    """Pipeline stages, each sharded with FSDP over its dp pair."""
+    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+
+    def parallelize(stage: nn.Module) -> nn.Module:
+        return _fully_shard(stage, stage.blocks.values(), mesh["dp"])
+
+    config = PipelineConfig(schedule="1f1b", microbatches=2)
+    pipeline = apply_pp(make_model(), mesh["pp"], config, loss, parallelize_stage=parallelize)
+    optimizer = make_optimizer(pipeline.parameters())
+    dp_rank = mesh["dp"].get_local_rank()
+    grads, losses = {}, []
+    for x, y in batches():
+        optimizer.zero_grad()
+        value = pipeline.step(_my_half(x, dp_rank), _my_half(y, dp_rank))
+        if not grads:
+            grads = {n: full(p.grad) for n, p in pipeline.named_parameters()}
+        optimizer.step()
+        losses.append(_mean_over(value, mesh["dp"]))
+    weights = {k: full(v) for k, v in pipeline.state_dict().items()}
+    return {"grads": grads, "losses": losses, "weights": weights}
+
+
+def _pp_tp() -> dict:
+    """Pipeline stages, each split by tensor parallelism over its tp pair."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    config = PipelineConfig(schedule="gpipe", microbatches=2)
+    pipeline = apply_pp(make_model(), mesh["pp"], config, loss,
+                        parallelize_stage=lambda stage: apply_tp(stage, mesh["tp"]))
+    optimizer = make_optimizer(pipeline.parameters())
+    grads, losses = {}, []
+    for x, y in batches():
+        optimizer.zero_grad()
+        losses.append(pipeline.step(x, y).item())
+        if not grads:
+            grads = {n: full(p.grad) for n, p in pipeline.named_parameters()}
+        optimizer.step()
+    weights = {k: full(v) for k, v in pipeline.state_dict().items()}
+    return {"grads": grads, "losses": losses, "weights": weights}
+
+
+def _worker() -> dict:
+    shoal.init("gloo")
+    return {"dp_tp": _dp_tp(), "pp_dp": _dp_pp(), "pp_tp": _pp_tp()}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return shoal.spawn(_worker, nprocs=4)
+
+
+@pytest.mark.timeout(300)
+def test_dp2_tp2_matches_single_process(results):
+    ref = reference_run()
+    for rank, result in enumerate(results):
+        dp_tp = result["dp_tp"]
+        assert_matches(dp_tp["run"], ref, f"dp=2 x tp=2 rank {rank}")
+        half = _my_half(ref.logits, dp_tp["dp_rank"])
+        assert (dp_tp["logits"] - half).abs().max() <= 1e-5 * half.abs().max()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("other", ["dp", "tp"])
+def test_pp2_with_dp2_or_tp2_matches_single_process(results, other):
+    # Mesh ("pp", other) of shape (2, 2): ranks 0, 1 hold stage 0, ranks 2, 3 stage 1.
+    for first, last in ((results[0], results[2]), (results[1], results[3])):
+        first, last = first[f"pp_{other}"], last[f"pp_{other}"]
+        assert first["losses"] == last["losses"]
+        run = Run(None, {**first["grads"], **last["grads"]}, last["losses"],
+                  {**first["weights"], **last["weights"]})
+        assert_matches(run, reference_run(), f"pp=2 x {other}=2")
