@@ -70,6 +70,12 @@ def test_invalid_config(override, needles):
     _assert_one_line_error(run_shoal("train", "--config", DIGITS, override), *needles)
 
 
+def test_topology_that_does_not_fit_the_job_fails_before_any_worker():
+    out = run_shoal("train", "--config", DIGITS, "--nproc-per-node", "2",
+                    "trainer.parallel.tp=3")
+    _assert_one_line_error(out, "trainer.parallel", "tp 3", "2 processes")
+
+
 def test_missing_and_malformed_config(tmp_path):
     _assert_one_line_error(run_shoal("train", "--config", str(tmp_path / "none.yaml")),
                            "config file not found")

@@ -182,11 +182,14 @@ class CheckpointStore:
 
     # -- loading ----------------------------------------------------------------------------
 
-    def load(self, path: str | os.PathLike) -> tuple[dict, dict | None, dict]:
+    def load(self, path: str | os.PathLike, like: dict[str, torch.Tensor] | None = None
+             ) -> tuple[dict, dict | None, dict]:
         """(shared state, this rank's own state or None, meta) of the checkpoint at ``path``.
 
         Collective. Tensors are allocated from the checkpoint's own metadata and filled by
-        DCP; nothing is unpickled.
+        DCP; nothing is unpickled. ``like`` maps keys to tensors to load into instead, of
+        the same global shape and dtype: DTensors get only this rank's shard, whatever the
+        layout the checkpoint was saved in.
         """
         path = Path(path)
         problem = self.problem(path)
@@ -204,7 +207,12 @@ class CheckpointStore:
             entry = stored.get(key)
             if not isinstance(entry, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint {path}: tensor {key!r} is missing")
-            tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+            target = (like or {}).get(key)
+            if target is not None and target.shape == entry.size \
+                    and target.dtype == entry.properties.dtype:
+                tensors[key] = target
+            else:
+                tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
         dcp.load(tensors, checkpoint_id=str(path))
         shared = tree.join(info["shared"], tensors)
         own = tree.join(own_skeleton, tensors) if own_skeleton is not None else None

@@ -33,6 +33,8 @@ def train_command(args: argparse.Namespace) -> int:
                           nproc_default=config.run.nproc_per_node, cluster=cluster)
     # Where the scheduler started every worker (srun -n 8, mpirun), this process is one rank.
     in_place = cluster is not None and cluster.per_process
+    # A topology that does not fit the job fails here, in one line, before any worker starts.
+    config.trainer.parallel.resolve(cluster.world_size if in_place else spec.world_size)
     if in_place:
         config.run.nproc_per_node = cluster.local_world_size or 1
         first = cluster.rank == 0

@@ -4,19 +4,36 @@ A checkpoint holds model, optimizer, LR scheduler, gradient scaler, every rank's
 states, the step and epoch counters and the data position (global samples consumed in the
 epoch). Resumed with another world size, the global batch stays the same: accumulation is
 adjusted where it divides, and a clear error says what to change where it does not.
+
+Model and optimizer state are keyed by parameter name (``torch.distributed.checkpoint.
+state_dict``), the same under every strategy: sharded tensors are saved as shards and loaded
+into whatever layout the resuming strategy has, so a run saved under 'fsdp' on 2 processes
+continues under 'ddp' on 1, and the reverse.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
-from shoal.checkpoint import CheckpointError, CheckpointStore, rng
+from shoal.checkpoint import CheckpointError, CheckpointStore, rng, tree
 from shoal.errors import UsageError
+from shoal.parallel.zero import gather_optimizer_state, is_zero, load_optimizer_state
 
 if TYPE_CHECKING:
     from shoal.training.trainer import Trainer
@@ -56,8 +73,7 @@ class Checkpointing:
 
     def save(self, consumed: int | None) -> Path | None:
         t = self.trainer
-        # Replicas are identical, so every rank reaches the same verdict without talking.
-        if not all(bool(torch.isfinite(p).all()) for p in t.module.parameters()):
+        if not _finite(t):
             _say(t, f"not saving step {t.global_step}: the model holds NaN or Inf; the last "
                     "good checkpoint stays the newest")
             return None
@@ -65,7 +81,8 @@ class Checkpointing:
         own = {"rng": rng.capture(), "comm": t.harness.comm_state_dict()}
         # Under local_sgd / diloco every rank holds its own replica and optimizer state.
         replicas = own if self.local else shared
-        replicas.update(model=t.module.state_dict(), optimizer=t.optimizer.state_dict())
+        model_state, optimizer_state = model_and_optimizer_state(t.model, t.optimizer)
+        replicas.update(model=model_state, optimizer=optimizer_state)
         if t.lr_scheduler is not None:
             shared["lr_scheduler"] = t.lr_scheduler.state_dict()
         c = t.config
@@ -91,11 +108,12 @@ class Checkpointing:
         if path is None:
             _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
             return 0
-        shared, own, meta = self.store.load(path)
+        shared, own, meta = self.store.load(path, like=self._layout() if t.harness.sharded
+                                            else None)
         replicas = self._replicas(path, shared, own, meta)
-        _check_model_fits(path, replicas["model"], t.module.state_dict())
-        t.module.load_state_dict(replicas["model"])
-        t.optimizer.load_state_dict(replicas["optimizer"])
+        _check_model_fits(path, replicas["model"], get_model_state_dict(t.model))
+        load_model_and_optimizer_state(t.model, t.optimizer, replicas["model"],
+                                       replicas["optimizer"])
         t.harness.precision.load_state_dict(shared["scaler"])
         if t.lr_scheduler is not None and "lr_scheduler" in shared:
             t.lr_scheduler.load_state_dict(shared["lr_scheduler"])
@@ -108,6 +126,18 @@ class Checkpointing:
         _say(t, f"resumed from {path} (step {t.global_step}, epoch {t.epoch}, "
                 f"saved by {meta['world_size']} processes)")
         return meta["consumed"] or 0
+
+    def _layout(self) -> dict[str, torch.Tensor]:
+        """Empty tensors shaped like this rank's shards, for DCP to load each rank's part
+        into (rather than every rank reading whole tensors), under both prefixes a
+        checkpoint may file them under."""
+        t = self.trainer
+        with _unhooked(t.optimizer):  # a fresh optimizer's state is created, to load into
+            model_state, optimizer_state = get_state_dict(t.model, t.optimizer)
+        _, tensors = tree.split({"model": model_state, "optimizer": optimizer_state}, "shared")
+        like = {k: torch.empty_like(v) for k, v in tensors.items()}
+        own = f"rank{t.harness.rank}"
+        return {**like, **{own + k.removeprefix("shared"): v for k, v in like.items()}}
 
     def _restore_comm(self, own: dict | None, meta: dict) -> None:
         """The compression's or weight averaging's state, when it can continue exactly."""
@@ -156,6 +186,63 @@ class Checkpointing:
         _say(t, f"world size {world} differs from the checkpoint's {meta['world_size']}: "
                 f"accumulating {t.accumulate} micro-batches to keep the global batch of "
                 f"{global_batch}")
+
+
+@contextlib.contextmanager
+def _unhooked(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """torch's state-dict functions create a fresh optimizer's state by a step with zero
+    gradients and learning rate; the user's step hooks must not count it as a step."""
+    hooks = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = hooks
+
+
+def model_and_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                              ) -> tuple[dict, dict]:
+    """Model and optimizer state keyed by parameter name, the same form under every
+    strategy; sharded tensors stay DTensors (DCP writes each shard once)."""
+    if is_zero(optimizer):
+        return get_model_state_dict(model), gather_optimizer_state(model, optimizer)
+    fresh = not optimizer.state
+    with _unhooked(optimizer):
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+    if fresh:  # no step yet: save it as it is (Adam's step count must stay 0)
+        optimizer.state.clear()
+        optimizer_state["state"] = {}
+    return model_state, optimizer_state
+
+
+def load_model_and_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                   model_state: dict, optimizer_state: dict) -> None:
+    """Load what ``model_and_optimizer_state`` gave, from any strategy, into this one."""
+    if is_zero(optimizer):
+        set_model_state_dict(model, model_state)
+        load_optimizer_state(model, optimizer, optimizer_state)
+    elif any(isinstance(p, int) for group in optimizer_state["param_groups"]
+             for p in group["params"]):
+        # Written before checkpoints were keyed by name: the optimizer's own numbering.
+        set_model_state_dict(model, model_state)
+        optimizer.load_state_dict(optimizer_state)
+    else:
+        with _unhooked(optimizer):
+            set_state_dict(model, optimizer, model_state_dict=model_state,
+                           optim_state_dict=optimizer_state)
+
+
+def _finite(t: Trainer) -> bool:
+    """No NaN or Inf in the model. Replicas are identical, so every rank reaches the same
+    verdict without talking; shards differ, so sharded ranks agree on one."""
+    finite = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+                 for p in t.module.parameters())
+    if not t.harness.sharded or t.harness.world_size == 1:
+        return finite
+    flag = torch.tensor([int(finite)], device=t.harness.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _check_model_fits(path: Path, saved: dict, live: dict) -> None:

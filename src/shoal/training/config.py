@@ -18,6 +18,8 @@ from shoal.metrics.recorder import MetricsConfig
 from shoal.parallel.averaging import DiLoCoConfig, LocalSGDConfig
 from shoal.parallel.compression import CompressionConfig
 from shoal.parallel.ddp import DDPConfig
+from shoal.parallel.fsdp import FSDPConfig
+from shoal.parallel.topology import ParallelDims
 
 Precision = Literal["32", "bf16-mixed", "fp16-mixed"]
 
@@ -27,12 +29,26 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    strategy: Literal["ddp", "local_sgd", "diloco"] = "ddp"
+    strategy: Literal["ddp", "zero1", "zero2", "fsdp", "local_sgd", "diloco"] = "ddp"
     """How the model is spread over processes: 'ddp' replicates it and all-reduces
-    gradients every step; 'local_sgd' and 'diloco' let each rank train its own replica and
-    average the weights every few steps."""
+    gradients every step; 'zero1' does the same with the optimizer state sharded over the
+    ranks; 'zero2' shards gradients and optimizer state too, 'fsdp' (ZeRO-3) also the
+    parameters (both FSDP2); 'local_sgd' and 'diloco' let each rank train its own replica
+    and average the weights every few steps."""
+    parallel: ParallelDims = Field(default_factory=ParallelDims)
+    """Degrees of data (dp), tensor (tp) and pipeline (pp) parallelism; dp x tp x pp must
+    be the world size (dp defaults to what tp and pp leave)."""
     ddp: DDPConfig = Field(default_factory=DDPConfig)
-    """Settings of the 'ddp' strategy."""
+    """Settings of DistributedDataParallel, under 'ddp' and 'zero1'."""
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    """Settings of the sharded strategies 'zero2' and 'fsdp' (CPU offload, bf16 compute)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them (any
+    strategy): less memory for about one more forward pass."""
+    blocks: list[str] | None = None
+    """Class names of the model's repeated blocks, the units of FSDP sharding and of
+    activation checkpointing (e.g. ['Block']). Default: the children of the model's
+    ``blocks`` ModuleList, if it has one."""
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     """How 'ddp' sends gradients: none, fp16, bf16, powersgd or topk (see CompressionConfig)."""
     local_sgd: LocalSGDConfig = Field(default_factory=LocalSGDConfig)
@@ -82,12 +98,17 @@ class TrainerConfig(BaseModel):
     def _strategy_settings(self) -> TrainerConfig:
         name = self.compression.name
         if name != "none" and self.strategy != "ddp":
-            raise ValueError(f"compression '{name}' compresses DDP's gradient all-reduce; "
-                             f"strategy '{self.strategy}' all-reduces no gradients (use "
-                             "strategy 'ddp', or compression 'none')")
-        if self.nonfinite is not None and self.strategy != "ddp":
+            raise ValueError(f"compression '{name}' compresses the gradient all-reduce of "
+                             f"strategy 'ddp'; strategy '{self.strategy}' does not use it "
+                             "(use strategy 'ddp', or compression 'none')")
+        local = self.strategy in ("local_sgd", "diloco")
+        if self.nonfinite is not None and local:
             raise ValueError(f"nonfinite needs the same gradients on every rank; with "
                              f"strategy '{self.strategy}' each rank has its own (unset it)")
+        if local and self.parallel.model_parallel:
+            raise ValueError(f"strategy '{self.strategy}' averages whole replicas: it cannot "
+                             "be combined with tensor or pipeline parallelism (set tp and pp "
+                             "to 1, or use strategy 'ddp' or 'fsdp')")
         return self
 
     @model_validator(mode="after")

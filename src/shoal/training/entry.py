@@ -24,7 +24,8 @@ def train_from_config(config: RunConfig) -> dict[str, float]:
     data = build(config.data)
     train_data, val_data = data if isinstance(data, tuple) else (data, None)
     optimizer = build(config.optimizer, model.parameters())
-    scheduler = build(config.lr_scheduler, optimizer) if config.lr_scheduler else None
+    # Built by the Trainer on the optimizer it trains with (zero1 replaces the optimizer).
+    scheduler = (lambda opt: build(config.lr_scheduler, opt)) if config.lr_scheduler else None
     loss_fn = build(config.loss) if config.loss else None
     trainer = Trainer(model, optimizer, loss_fn=loss_fn, lr_scheduler=scheduler,
                       **config.trainer.model_dump())

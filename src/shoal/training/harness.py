@@ -21,19 +21,34 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from shoal.data.sharding import shard_dataloader
+from shoal.errors import UsageError
+from shoal.parallel.activation_checkpoint import apply_activation_checkpointing
 from shoal.parallel.averaging import (
     DiLoCoConfig,
     LocalSGDConfig,
     apply_diloco,
     apply_local_sgd,
 )
+from shoal.parallel.blocks import find_blocks
 from shoal.parallel.compression import CompressionConfig, apply_compression
 from shoal.parallel.ddp import DDPConfig, apply_ddp
+from shoal.parallel.fsdp import (
+    FSDPConfig,
+    FSDPTraffic,
+    apply_fsdp,
+    follow_parameters,
+    parameter_names,
+)
+from shoal.parallel.topology import ParallelDims
 from shoal.parallel.traffic import StepComm, Traffic
+from shoal.parallel.zero import ZeroTraffic, apply_zero1
 from shoal.runtime import dist as rt
 from shoal.training.precision import Precision
 
@@ -56,6 +71,11 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A norm of sharded (DTensor) gradients is a replicated DTensor: the plain value."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 class Harness:
     """Wraps model, optimizer and data for the chosen strategy and precision."""
 
@@ -63,19 +83,26 @@ class Harness:
                  backend: str | None = None, ddp: DDPConfig | dict | None = None,
                  compression: CompressionConfig | dict | str | None = None,
                  local_sgd: LocalSGDConfig | dict | None = None,
-                 diloco: DiLoCoConfig | dict | None = None, seed: int = 0):
+                 diloco: DiLoCoConfig | dict | None = None,
+                 fsdp: FSDPConfig | dict | None = None,
+                 parallel: ParallelDims | dict | None = None,
+                 activation_checkpointing: bool = False, blocks: list[str] | None = None,
+                 seed: int = 0):
         from shoal.training.config import TrainerConfig
 
         # Validate through the same schema as the Trainer, so both reject the same inputs.
         options = {"ddp": ddp, "compression": compression, "local_sgd": local_sgd,
-                   "diloco": diloco}
+                   "diloco": diloco, "fsdp": fsdp, "parallel": parallel, "blocks": blocks}
         config = TrainerConfig.build(strategy=strategy, precision=precision, backend=backend,
-                                     seed=seed,
+                                     seed=seed, activation_checkpointing=activation_checkpointing,
                                      **{k: v for k, v in options.items() if v is not None})
         self.config = config
         self.env = rt.init(config.backend)
+        # The topology is checked here, once, before any model or data is touched.
+        self.dims = config.parallel.resolve(self.env.world_size)
+        self.mesh: DeviceMesh | None = None  # built when a strategy needs one
         self.device = rt.device()
-        self.precision = Precision(config.precision, self.device)
+        self.precision = Precision(config.precision, self.device, sharded=self.sharded)
         self.traffic = Traffic()
         self.comm = None  # the compression hook's or the weight averaging's state
         self.last_comm = StepComm(0.0, 0.0, 0.0)  # what the last step sent and waited for
@@ -93,23 +120,71 @@ class Harness:
     def is_main(self) -> bool:
         return self.env.rank == 0
 
+    @property
+    def sharded(self) -> bool:
+        """Parameters are sharded DTensors ('zero2', 'fsdp'): each rank holds a part."""
+        return self.config.strategy in ("zero2", "fsdp")
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
               ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        """Move ``model`` to this rank's device and wrap it for the strategy.
+        """Move ``model`` to this rank's device and apply the strategy to it.
 
-        DDP broadcasts rank 0's parameters, so every rank starts from the same weights.
-        ``Module.to`` keeps the same Parameter objects, so ``optimizer`` stays valid.
+        Under ddp, zero1, zero2 and fsdp every rank starts from rank 0's weights.
+        ``Module.to`` keeps the Parameter objects, so ``optimizer`` stays valid; FSDP
+        replaces them by sharded ones and ``optimizer`` is pointed at those.
+        Under 'zero1' the returned optimizer is a new one (ZeroRedundancyOptimizer): build
+        an LR scheduler on it.
         """
         c = self.config
         model = model.to(self.device)
+        self._check_model(model)
+        blocks = find_blocks(model, c.blocks) \
+            if c.activation_checkpointing or self.sharded else None
+        # torchtitan's order: tensor parallel, activation checkpointing, then the data-parallel
+        # wrapper (FSDP must see the checkpointed blocks to shard them as units).
+        if c.activation_checkpointing:
+            apply_activation_checkpointing(model, blocks)
         if c.strategy == "local_sgd":
             self.comm = apply_local_sgd(model, c.local_sgd, self.traffic)
         elif c.strategy == "diloco":
             self.comm = apply_diloco(model, c.diloco, self.traffic)
+        elif self.sharded:
+            names = parameter_names(model, optimizer) if optimizer is not None else None
+            reshard = c.strategy == "fsdp"
+            # Counted before sharding, from the whole parameters.
+            self.comm = FSDPTraffic(model, self.traffic, self.dims.dp, c.fsdp, reshard)
+            apply_fsdp(model, self._dp_mesh(), c.fsdp, blocks=blocks,
+                       reshard_after_forward=reshard)
+            if optimizer is not None:
+                follow_parameters(model, optimizer, names)
+        elif c.strategy == "zero1":
+            if optimizer is None:
+                raise UsageError("strategy 'zero1' shards the optimizer state: pass the "
+                                 "optimizer to setup")
+            model, optimizer = apply_zero1(model, optimizer, device=self.device, ddp=c.ddp)
+            self.comm = ZeroTraffic(model, self.traffic)
         else:
             model = apply_ddp(model, self.device, c.ddp)
             self.comm = apply_compression(model, c.compression, self.traffic, seed=c.seed)
         return model, optimizer
+
+    def _check_model(self, model: nn.Module) -> None:
+        """Model-parallel degrees must fit the model (heads over tp, blocks over pp)."""
+        if not self.dims.model_parallel:
+            return
+        blocks = getattr(model, "blocks", None)
+        self.dims.validate_model(
+            n_layer=len(blocks) if isinstance(blocks, nn.ModuleList) else None,
+            n_head=getattr(getattr(model, "config", None), "n_head", None))
+        raise UsageError("trainer.parallel: tensor and pipeline parallelism are not part of "
+                         "the Trainer and Harness yet; set tp and pp to 1, or apply "
+                         "shoal.parallel.tensor_parallel.apply_tp / pipeline_parallel.apply_pp "
+                         "in your own loop (docs/model_parallel.md)")
+
+    def _dp_mesh(self) -> DeviceMesh:
+        if self.mesh is None:
+            self.mesh = self.dims.build_mesh(self.device.type)
+        return self.mesh["dp"]
 
     def synchronize(self) -> None:
         """local_sgd / diloco: bring every replica to the shared model now (at the end of
@@ -164,6 +239,18 @@ class Harness:
         if enabled and isinstance(model, DistributedDataParallel):
             with model.no_sync():
                 yield
+        elif enabled and isinstance(model, FSDPModule):
+            # No reduce-scatter: each rank keeps its whole unsharded gradients meanwhile.
+            counted = isinstance(self.comm, FSDPTraffic)
+            model.set_requires_gradient_sync(False)
+            if counted:
+                self.comm.syncing = False
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+                if counted:
+                    self.comm.syncing = True
         else:
             yield
 
@@ -174,8 +261,9 @@ class Harness:
 
         With ``check_finite``, a NaN or Inf gradient norm skips the step and returns False.
         Gradients are all-reduced before this, so every rank sees the same norm and every
-        rank skips the same steps. The gradient norm, when computed (clipping, the finite
-        check or ``measure_norm``), is kept in ``last_grad_norm`` as a tensor.
+        rank skips the same steps (sharded gradients: the norm is over all the shards). The
+        gradient norm, when computed (clipping, the finite check or ``measure_norm``), is
+        kept in ``last_grad_norm`` as a tensor.
         """
         norm = None
         if clip_grad_norm is not None or check_finite or measure_norm:
@@ -183,10 +271,10 @@ class Harness:
             params = list(model.parameters() if model is not None else (
                 p for group in optimizer.param_groups for p in group["params"]))
             if clip_grad_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+                norm = _full(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
             else:
-                norm = torch.nn.utils.get_total_norm(
-                    [p.grad for p in params if p.grad is not None])
+                norm = _full(torch.nn.utils.get_total_norm(
+                    [p.grad for p in params if p.grad is not None]))
         self.last_grad_norm = norm
         if check_finite and not torch.isfinite(norm):
             if self.precision.scaler is not None:

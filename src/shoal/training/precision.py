@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 _AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -13,12 +14,16 @@ _AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 class Precision:
     """Hooks around forward, backward and the optimizer step for one precision setting."""
 
-    def __init__(self, name: str, device: torch.device):
+    def __init__(self, name: str, device: torch.device, sharded: bool = False):
         self.name = name
         self.device = device
         self.dtype = _AUTOCAST_DTYPE.get(name)
         # fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range.
-        self.scaler = torch.amp.GradScaler(device.type) if name == "fp16-mixed" else None
+        self.scaler = None
+        if name == "fp16-mixed":
+            # Sharded gradients: an overflow in one rank's shard must skip the step on all.
+            self.scaler = ShardedGradScaler(device.type) if sharded \
+                else torch.amp.GradScaler(device.type)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

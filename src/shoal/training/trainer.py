@@ -6,7 +6,7 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +62,34 @@ def _tokens(inputs: Any) -> int:
     return 0
 
 
+def _lockstep(loader: DataLoader, device: torch.device) -> Iterator[tuple[Any, bool]]:
+    """(batch, counts): as many batches on every rank as on the rank with most.
+
+    A sharded model's forward is collective, so a rank that ran out keeps running forward
+    passes, on a batch it already saw (counts False); one that had none at all (a
+    validation set smaller than the number of ranks) is sent another rank's.
+    """
+    world = torch.distributed.get_world_size()
+    iterator = iter(loader)
+    spare = None
+    while True:
+        batch = next(iterator, None)
+        spare = batch if batch is not None else spare
+        # 2: a batch; 1: none left but one to repeat; 0: none ever.
+        mine = 2 if batch is not None else (1 if spare is not None else 0)
+        states = torch.zeros(world, dtype=torch.int64, device=device)
+        states[torch.distributed.get_rank()] = mine
+        torch.distributed.all_reduce(states)
+        if not (states == 2).any():
+            return
+        if (states == 0).any():
+            first = [batch]
+            torch.distributed.broadcast_object_list(
+                first, src=int((states == 2).nonzero()[0]))
+            spare = spare if spare is not None else first[0]
+        yield (batch, True) if batch is not None else (spare, False)
+
+
 def _rescale_gradients(model: nn.Module, factor: float) -> None:
     for param in model.parameters():
         if param.grad is not None:
@@ -84,14 +112,21 @@ class Trainer:
         c = self.config
         self.harness = Harness(c.strategy, c.precision, backend=c.backend, ddp=c.ddp,
                                compression=c.compression, local_sgd=c.local_sgd,
-                               diloco=c.diloco, seed=c.seed)
+                               diloco=c.diloco, fsdp=c.fsdp, parallel=c.parallel,
+                               activation_checkpointing=c.activation_checkpointing,
+                               blocks=c.blocks, seed=c.seed)
         # Each rank gets its own stream of random numbers (dropout); the data order comes
         # from the sampler's seed and is the same on every rank.
         seed_everything(c.seed + self.harness.rank)
         self.model, self.optimizer = self.harness.setup(model, optimizer)
         self.loss_fn = loss_fn or F.cross_entropy
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-            lr_scheduler = lr_scheduler(optimizer)
+            lr_scheduler = lr_scheduler(self.optimizer)
+        elif getattr(lr_scheduler, "optimizer", self.optimizer) is not self.optimizer:
+            raise UsageError(f"strategy '{c.strategy}' replaces the optimizer, so a scheduler "
+                             "built on it would change a learning rate nobody uses: pass "
+                             "lr_scheduler as a function of the optimizer (e.g. lambda opt: "
+                             "torch.optim.lr_scheduler.StepLR(opt, 10))")
         self.lr_scheduler = lr_scheduler
         self.global_step = 0
         self.epoch = 0
@@ -342,11 +377,14 @@ class Trainer:
         # loss * n, correct, n: summed over ranks, so the mean weights every sample once.
         totals = torch.zeros(3, device=h.device, dtype=torch.float64)
         classify = True
-        for batch in loader:
+        batches = _lockstep(loader, h.device) if h.sharded else ((b, True) for b in loader)
+        for batch, counts in batches:
             heartbeat(self.global_step)  # a long validation is progress too
             inputs, targets = _unpack(h.to_device(batch))
             with h.autocast():
                 outputs = module(inputs)
+            if not counts:
+                continue
             n = targets.shape[0]
             totals[0] += self.loss_fn(outputs.float(), targets).double() * n
             totals[2] += n
