@@ -197,9 +197,6 @@ class Hosts:
         _ip("-n", ns, "rule", "add", "pref", "10", "iif", "eth0", "ipproto", "tcp", "dport",
             str(port), "blackhole")
 
-    def alive(self, i: int) -> list[int]:
-        return self.pids(i)
-
     def close(self) -> None:
         for i in range(self.n):
             if os.path.exists(f"/run/netns/{self.namespaces[i]}"):

@@ -23,6 +23,7 @@ same four things, up to rounding:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -73,22 +74,56 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-@lru_cache(maxsize=1)
-def reference_run() -> Run:
-    model = make_model()
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def train_module(model: torch.nn.Module, shard: Callable = _whole,
+                 reduce: Callable = torch.Tensor.item) -> Run:
+    """The steps every comparison takes: AdamW over ``batches()``, first logits and
+    gradients kept. ``shard(t)`` is this rank's part of a batch tensor; ``reduce(loss)``
+    the loss reported (data parallel: the mean over the dp ranks)."""
     optimizer = make_optimizer(model.parameters())
     logits, grads, losses = None, {}, []
     for x, y in batches():
-        out = model(x)
-        value = loss(out, y)
+        out = model(shard(x))
+        value = loss(out, shard(y))
         optimizer.zero_grad()
         value.backward()
         if logits is None:
             logits = out.detach().clone()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {n: full(p.grad) for n, p in model.named_parameters()}
         optimizer.step()
-        losses.append(value.item())
+        losses.append(reduce(value.detach()))
     return Run(logits, grads, losses, {k: full(v) for k, v in model.state_dict().items()})
+
+
+def train_pipeline(pipeline, shard: Callable = _whole,
+                   reduce: Callable = torch.Tensor.item) -> Run:
+    """``train_module`` for a pipeline stage: its own gradients and weights, the loss from
+    the last stage, no logits."""
+    optimizer = make_optimizer(pipeline.parameters())
+    grads, losses = {}, []
+    for x, y in batches():
+        optimizer.zero_grad()
+        value = pipeline.step(shard(x), shard(y))
+        if not grads:
+            grads = {n: full(p.grad) for n, p in pipeline.named_parameters()}
+        optimizer.step()
+        losses.append(reduce(value))
+    return Run(None, grads, losses, {k: full(v) for k, v in pipeline.state_dict().items()})
+
+
+def merge_stages(first: Run, last: Run) -> Run:
+    """The whole model's run from its two pipeline stages' runs (which report one loss)."""
+    assert first.losses == last.losses, "the last stage's loss did not reach the first"
+    return Run(None, {**first.grads, **last.grads}, last.losses,
+               {**first.weights, **last.weights})
+
+
+@lru_cache(maxsize=1)
+def reference_run() -> Run:
+    return train_module(make_model())
 
 
 def _worst(actual: torch.Tensor, expected: torch.Tensor) -> float:

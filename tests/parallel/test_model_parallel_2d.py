@@ -24,11 +24,11 @@ from tests.parallel.gpt_reference import (
     BATCH,
     Run,
     assert_matches,
-    batches,
-    full,
     make_model,
-    make_optimizer,
+    merge_stages,
     reference_run,
+    train_module,
+    train_pipeline,
 )
 
 DP = 2
@@ -55,24 +55,16 @@ def _dp_tp() -> dict:
     mesh = init_device_mesh("cpu", (DP, 2), mesh_dim_names=("dp", "tp"))
     model = apply_tp(make_model(), mesh["tp"])
     _fully_shard(model, model.blocks, mesh["dp"])
-    optimizer = make_optimizer(model.parameters())
     dp_rank = mesh["dp"].get_local_rank()
-    logits, grads, losses = None, {}, []
-    for x, y in batches():
-        out = model(_my_half(x, dp_rank))
-        value = loss(out, _my_half(y, dp_rank))
-        optimizer.zero_grad()
-        value.backward()
-        if logits is None:
-            logits = out.detach().clone()
-            grads = {n: full(p.grad) for n, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(_mean_over(value.detach(), mesh["dp"]))
-    weights = {k: full(v) for k, v in model.state_dict().items()}
-    return {"run": Run(None, grads, losses, weights), "logits": logits, "dp_rank": dp_rank}
+    run = train_module(model, shard=lambda t: _my_half(t, dp_rank),
+                       reduce=lambda value: _mean_over(value, mesh["dp"]))
+    # Each dp rank saw half the batch: its logits are compared with that half of the
+    # reference's, not as a whole.
+    logits, run.logits = run.logits, None
+    return {"run": run, "logits": logits, "dp_rank": dp_rank}
 
 
-def _dp_pp() -> dict:
+def _dp_pp() -> Run:
     """Pipeline stages, each sharded with FSDP over its dp pair."""
     mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
 
@@ -81,36 +73,18 @@ def _dp_pp() -> dict:
 
     config = PipelineConfig(schedule="1f1b", microbatches=2)
     pipeline = apply_pp(make_model(), mesh["pp"], config, loss, parallelize_stage=parallelize)
-    optimizer = make_optimizer(pipeline.parameters())
     dp_rank = mesh["dp"].get_local_rank()
-    grads, losses = {}, []
-    for x, y in batches():
-        optimizer.zero_grad()
-        value = pipeline.step(_my_half(x, dp_rank), _my_half(y, dp_rank))
-        if not grads:
-            grads = {n: full(p.grad) for n, p in pipeline.named_parameters()}
-        optimizer.step()
-        losses.append(_mean_over(value, mesh["dp"]))
-    weights = {k: full(v) for k, v in pipeline.state_dict().items()}
-    return {"grads": grads, "losses": losses, "weights": weights}
+    return train_pipeline(pipeline, shard=lambda t: _my_half(t, dp_rank),
+                          reduce=lambda value: _mean_over(value, mesh["dp"]))
 
 
-def _pp_tp() -> dict:
+def _pp_tp() -> Run:
     """Pipeline stages, each split by tensor parallelism over its tp pair."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     config = PipelineConfig(schedule="gpipe", microbatches=2)
     pipeline = apply_pp(make_model(), mesh["pp"], config, loss,
                         parallelize_stage=lambda stage: apply_tp(stage, mesh["tp"]))
-    optimizer = make_optimizer(pipeline.parameters())
-    grads, losses = {}, []
-    for x, y in batches():
-        optimizer.zero_grad()
-        losses.append(pipeline.step(x, y).item())
-        if not grads:
-            grads = {n: full(p.grad) for n, p in pipeline.named_parameters()}
-        optimizer.step()
-    weights = {k: full(v) for k, v in pipeline.state_dict().items()}
-    return {"grads": grads, "losses": losses, "weights": weights}
+    return train_pipeline(pipeline)
 
 
 def _worker() -> dict:
@@ -138,8 +112,5 @@ def test_dp2_tp2_matches_single_process(results):
 def test_pp2_with_dp2_or_tp2_matches_single_process(results, other):
     # Mesh ("pp", other) of shape (2, 2): ranks 0, 1 hold stage 0, ranks 2, 3 stage 1.
     for first, last in ((results[0], results[2]), (results[1], results[3])):
-        first, last = first[f"pp_{other}"], last[f"pp_{other}"]
-        assert first["losses"] == last["losses"]
-        run = Run(None, {**first["grads"], **last["grads"]}, last["losses"],
-                  {**first["weights"], **last["weights"]})
+        run = merge_stages(first[f"pp_{other}"], last[f"pp_{other}"])
         assert_matches(run, reference_run(), f"pp=2 x {other}=2")

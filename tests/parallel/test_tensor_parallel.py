@@ -9,16 +9,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import shoal
 from shoal.errors import UsageError
-from shoal.examples.gpt import build_model, loss
+from shoal.examples.gpt import build_model
 from shoal.parallel.tensor_parallel import TensorParallelConfig, apply_tp, transformer_plan
 from tests.parallel.gpt_reference import (
-    Run,
     assert_matches,
-    batches,
-    full,
     make_model,
-    make_optimizer,
     reference_run,
+    train_module,
 )
 
 # The ready plan, with and without the vocabulary split, and a user's plan that splits the
@@ -36,20 +33,7 @@ def _parallelize(model, mesh, which: str):
 def _train(which: str, mesh) -> dict:
     model = _parallelize(make_model(), mesh, which)
     sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
-    optimizer = make_optimizer(model.parameters())
-    logits, grads, losses = None, {}, []
-    for x, y in batches():
-        out = model(x)
-        value = loss(out, y)
-        optimizer.zero_grad()
-        value.backward()
-        if logits is None:
-            logits = out.detach().clone()
-            grads = {n: full(p.grad) for n, p in model.named_parameters()}
-        optimizer.step()
-        losses.append(value.item())
-    weights = {k: full(v) for k, v in model.state_dict().items()}
-    return {"run": Run(logits, grads, losses, weights), "sharded": sharded}
+    return {"run": train_module(model), "sharded": sharded}
 
 
 def _errors(mesh) -> dict[str, str]:
