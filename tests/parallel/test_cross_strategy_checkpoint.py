@@ -1,6 +1,7 @@
 """A checkpoint saved under one strategy and world size continues under another: fsdp or
-zero1 at W=2 to ddp at W=1 and the reverse. Loaded, the model and optimizer are exactly the
-saver's; trained on, the run reaches the weights of one uninterrupted process."""
+zero1 at W=2 to ddp at W=1 and the reverse; a pipeline (pp=2) to one process, one process
+to tensor parallelism (tp=2). Loaded, the model and optimizer are exactly the saver's;
+trained on, the run reaches the weights of one uninterrupted process."""
 
 from __future__ import annotations
 
@@ -38,30 +39,35 @@ def _full_state(trainer: shoal.Trainer) -> dict:
     if is_zero(trainer.optimizer):
         model, _ = get_state_dict(trainer.model, [], options=options)
         optimizer = gather_optimizer_state(trainer.model, trainer.optimizer)
-    else:
-        model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)
+    else:  # a pipeline stage: its part only
+        model, optimizer = get_state_dict(trainer.state_model, trainer.optimizer,
+                                          options=options)
     return tree_map_only(torch.Tensor, torch.clone, {"model": model, "optimizer": optimizer})
 
 
-def _trainer(strategy: str, directory: Path, resume: str | None = None) -> shoal.Trainer:
+def _trainer(strategy: str, directory: Path, resume: str | None = None,
+             parallel: dict | None = None) -> shoal.Trainer:
     model = make_model()
-    batch = GLOBAL_BATCH // shoal.world_size()
+    split = (parallel or {}).get("tp", 1) * (parallel or {}).get("pp", 1)
+    batch = GLOBAL_BATCH // (shoal.world_size() // split)
     return shoal.Trainer(model, make_optimizer(model), loss_fn=gpt.loss, strategy=strategy,
                          batch_size=batch, seed=SEED, clip_grad_norm=CLIP, progress=False,
-                         checkpoint_dir=str(directory), resume=resume)
+                         checkpoint_dir=str(directory), resume=resume,
+                         parallel=parallel or {})
 
 
-def _save(strategy: str, directory: Path) -> dict:
+def _save(strategy: str, directory: Path, parallel: dict | None = None) -> dict:
     """Train SAVED_AT steps from scratch; the checkpoint is written at the end of fit."""
-    trainer = _trainer(strategy, directory)
+    trainer = _trainer(strategy, directory, parallel=parallel)
     trainer.fit(make_dataset(), max_steps=SAVED_AT)
     return _full_state(trainer)
 
 
-def _resume(strategy: str, source: Path, directory: Path) -> dict:
+def _resume(strategy: str, source: Path, directory: Path, parallel: dict | None = None
+            ) -> dict:
     """Load ``source`` (what it holds, as loaded), then train on to STEPS."""
     checkpoint = str(CheckpointStore(source).latest())
-    trainer = _trainer(strategy, directory, resume=checkpoint)
+    trainer = _trainer(strategy, directory, resume=checkpoint, parallel=parallel)
     trainer.fit(make_dataset(), max_steps=SAVED_AT)  # loads, and has nothing left to do
     loaded = _full_state(trainer)
     trainer.fit(make_dataset(), max_steps=STEPS)
@@ -73,7 +79,8 @@ def _one_process(root: str) -> dict:
     shoal.init("gloo")
     root_path = Path(root)
     return {"from_fsdp": _resume("ddp", root_path / "fsdp", root_path / "ddp_from_fsdp"),
-            "from_zero1": _resume("ddp", root_path / "zero1", root_path / "ddp_from_zero1")}
+            "from_zero1": _resume("ddp", root_path / "zero1", root_path / "ddp_from_zero1"),
+            "from_pp": _resume("ddp", root_path / "pp", root_path / "ddp_from_pp")}
 
 
 def _two_processes(root: str) -> dict:
@@ -83,7 +90,10 @@ def _two_processes(root: str) -> dict:
             "zero1_saved": _save("zero1", root_path / "zero1"),
             "fsdp_from_ddp": _resume("fsdp", root_path / "ddp_w1", root_path / "fsdp_from_ddp"),
             "zero1_from_ddp": _resume("zero1", root_path / "ddp_w1",
-                                      root_path / "zero1_from_ddp")}
+                                      root_path / "zero1_from_ddp"),
+            "pp_saved": _save("ddp", root_path / "pp", parallel={"pp": 2}),
+            "tp_from_ddp": _resume("ddp", root_path / "ddp_w1", root_path / "tp_from_ddp",
+                                   parallel={"tp": 2})}
 
 
 def _save_at_one(root: str) -> dict:
@@ -125,6 +135,26 @@ def test_saved_at_one_loads_at_two(runs, loader):
         assert _states_equal(resumed["loaded"]["model"], saved["model"]), rank
         assert _states_equal(resumed["loaded"]["optimizer"], saved["optimizer"]), rank
         _continues_like_one_process(resumed, f"ddp W=1 -> {loader} W=2, rank {rank}")
+
+
+def test_pipeline_checkpoint_loads_in_one_process(runs):
+    # Each stage saved its part under the whole model's names: together, the whole state.
+    stages = [result["pp_saved"] for result in runs["two"]]
+    saved_model = {k: v for stage in stages for k, v in stage["model"].items()}
+    saved_state = {k: v for stage in stages for k, v in stage["optimizer"]["state"].items()}
+    resumed = runs["one"]["from_pp"]
+    assert _states_equal(resumed["loaded"]["model"], saved_model)
+    assert _states_equal(resumed["loaded"]["optimizer"]["state"], saved_state)
+    _continues_like_one_process(resumed, "pp=2 -> one process")
+
+
+def test_one_process_checkpoint_loads_under_tensor_parallel(runs):
+    saved = runs["ddp_w1"]
+    for rank, result in enumerate(runs["two"]):
+        resumed = result["tp_from_ddp"]
+        assert _states_equal(resumed["loaded"]["model"], saved["model"]), rank
+        assert _states_equal(resumed["loaded"]["optimizer"], saved["optimizer"]), rank
+        _continues_like_one_process(resumed, f"one process -> tp=2, rank {rank}")
 
 
 def test_checkpoint_numbered_by_an_older_shoal_still_loads(single_process, tmp_path,

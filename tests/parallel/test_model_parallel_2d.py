@@ -2,9 +2,9 @@
 
 With dp, each dp rank gets its half of every batch and the gradients are averaged over dp,
 so the run equals one process on the whole batch: the same reference as the 1-D tests.
-The dp dimension is torch's FSDP2 (``fully_shard``: each block one unit, then the root),
-called directly: shoal.parallel.fsdp.apply_fsdp broadcasts parameters first, which
-DTensor parameters (after tensor parallelism) do not support yet.
+The dp dimension is ``apply_fsdp`` (torch's FSDP2: each block one unit, then the root),
+which first gives every dp rank the first one's parameters: after tensor parallelism
+these are DTensors, and each tp coordinate's piece is what is sent.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import shoal
 from shoal.examples.gpt import loss
+from shoal.parallel.fsdp import apply_fsdp
 from shoal.parallel.pipeline_parallel import PipelineConfig, apply_pp
 from shoal.parallel.tensor_parallel import apply_tp
 from tests.parallel.gpt_reference import (
@@ -39,12 +39,6 @@ def _my_half(tensor: torch.Tensor, dp_rank: int) -> torch.Tensor:
     return tensor[dp_rank * share:(dp_rank + 1) * share]
 
 
-def _fully_shard(model: nn.Module, blocks, mesh) -> nn.Module:
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 def _mean_over(value: torch.Tensor, mesh) -> float:
     dist.all_reduce(value, group=mesh.get_group())
     return value.item() / mesh.size()
@@ -54,7 +48,7 @@ def _dp_tp() -> dict:
     """TP inside each pair of ranks, then FSDP over the dp pairs (torch's documented order)."""
     mesh = init_device_mesh("cpu", (DP, 2), mesh_dim_names=("dp", "tp"))
     model = apply_tp(make_model(), mesh["tp"])
-    _fully_shard(model, model.blocks, mesh["dp"])
+    apply_fsdp(model, mesh["dp"], blocks=list(model.blocks))
     dp_rank = mesh["dp"].get_local_rank()
     run = train_module(model, shard=lambda t: _my_half(t, dp_rank),
                        reduce=lambda value: _mean_over(value, mesh["dp"]))
@@ -69,7 +63,7 @@ def _dp_pp() -> Run:
     mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
 
     def parallelize(stage: nn.Module) -> nn.Module:
-        return _fully_shard(stage, stage.blocks.values(), mesh["dp"])
+        return apply_fsdp(stage, mesh["dp"], blocks=list(stage.blocks.values()))
 
     config = PipelineConfig(schedule="1f1b", microbatches=2)
     pipeline = apply_pp(make_model(), mesh["pp"], config, loss, parallelize_stage=parallelize)

@@ -104,7 +104,7 @@ def test_invalid_settings_fail_with_one_line(results):
             "block; use pp <= 1")
         assert "at least as many microbatches as stages" in errors["errors"]["1f1b"]
         assert "multiple of 4" in errors["errors"]["batch"]
-        assert "fully_shard" in errors["errors"]["ddp"]
+        assert "apply_replicate" in errors["errors"]["ddp"]
         assert all("\n" not in message for message in errors["errors"].values())
 
 

@@ -103,4 +103,15 @@ def test_shoal_train_exits_2_with_one_line():
 def test_config_rejects_model_parallel_local_strategies():
     message = _error(lambda: shoal.TrainerConfig.build(strategy="diloco",
                                                        parallel={"tp": 2}))
-    assert "strategy 'diloco' averages whole replicas" in message
+    assert "strategy 'diloco' cannot be combined with tensor or pipeline" in message
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"strategy": "zero1", "parallel": {"pp": 2}}, "strategy 'zero1' cannot be combined"),
+    ({"parallel": {"pp": 2}, "batch_size": 6}, "microbatches 4 must divide batch_size 6"),
+    ({"parallel": {"pp": 4}, "pipeline": {"microbatches": 2}, "batch_size": 8},
+     "'1f1b' needs microbatches >= stages: got 2 for pp 4"),
+    ({"parallel": {"pp": 2}, "precision": "fp16-mixed"}, "use 'bf16-mixed' with pp > 1"),
+])
+def test_config_rejects_what_model_parallelism_cannot_do(settings, expected):
+    assert expected in _error(lambda: shoal.TrainerConfig.build(**settings))

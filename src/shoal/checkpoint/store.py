@@ -9,6 +9,7 @@ or missing shard is caught by the sizes before anything is loaded.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -88,8 +89,11 @@ class CheckpointStore:
         own_skeleton, own_tensors = tree.split(own, f"rank{rank}")
         own_skeletons = [own_skeleton]
         if dist.is_initialized():
-            own_skeletons = [None] * dist.get_world_size()
-            dist.all_gather_object(own_skeletons, own_skeleton)
+            # Shared state may be held in parts (pipeline stages): its skeleton is the union.
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (skeleton, own_skeleton))
+            skeleton = functools.reduce(tree.merge, [s for s, _ in gathered])
+            own_skeletons = [o for _, o in gathered]
         world = dist.get_world_size() if dist.is_initialized() else 1
         record = {"step": step, "world_size": world, "meta": meta, "shared": skeleton,
                   "ranks": own_skeletons}

@@ -70,3 +70,21 @@ def tensor_keys(skeleton: Any) -> list[str]:
             return []
         return [k for _, v in skeleton["__dict__"] for k in tensor_keys(v)]
     return []
+
+
+def merge(first: Any, other: Any) -> Any:
+    """The union of two skeletons of one kind of state held in parts (pipeline stages each
+    hold some parameters): dict keys of both, lists of names of both (in order), lists of
+    equal length merged item by item; anywhere else ``first`` wins."""
+    if isinstance(first, dict) and isinstance(other, dict) and "__dict__" in first \
+            and "__dict__" in other:
+        theirs = dict((k, v) for k, v in other["__dict__"])
+        mine = [[k, merge(v, theirs[k]) if k in theirs else v] for k, v in first["__dict__"]]
+        known = {k for k, _ in first["__dict__"]}
+        return {"__dict__": mine + [[k, v] for k, v in other["__dict__"] if k not in known]}
+    if isinstance(first, list) and isinstance(other, list):
+        if all(isinstance(v, str) for v in first + other):
+            return first + [v for v in other if v not in first]
+        if len(first) == len(other):
+            return [merge(a, b) for a, b in zip(first, other, strict=True)]
+    return first

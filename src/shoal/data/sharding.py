@@ -39,12 +39,13 @@ class EvalShardSampler(Sampler[int]):
 
 def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
                      batch_size: int, shuffle: bool, seed: int, evaluation: bool = False,
-                     num_workers: int = 0) -> DataLoader:
+                     num_workers: int = 0, drop_last: bool = False) -> DataLoader:
     """A DataLoader that yields only this rank's samples.
 
     Training uses ElasticSampler (global order from seed and epoch; rank r takes every W-th
     sample of each global batch), so W ranks with batch B see exactly the samples one process
     sees with batch W*B. A DataLoader keeps its batch size, collate function and workers.
+    ``drop_last`` (training) drops each epoch's incomplete final global batch.
     """
     loader = data if isinstance(data, DataLoader) else None
     dataset = loader.dataset if loader is not None else data
@@ -77,7 +78,7 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
     else:
         sampler = ElasticSampler(len(dataset), world_size, rank, batch_size, seed=seed,
                                  shuffle=shuffle,
-                                 drop_last=loader is not None and loader.drop_last)
+                                 drop_last=drop_last or (loader is not None and loader.drop_last))
     # The loader's own generator: making an iterator draws a seed from it, and drawing from
     # the global RNG instead would shift dropout after a resume (see set_epoch).
     kwargs = {"batch_size": batch_size, "num_workers": num_workers,

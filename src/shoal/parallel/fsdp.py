@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from shoal.errors import UsageError
 from shoal.parallel.blocks import find_blocks
@@ -51,7 +52,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
     also an FSDPModule.
     """
     config = config or FSDPConfig()
-    _broadcast_from_first(model, mesh)
+    if mesh.size() > 1:
+        broadcast_from_first(model, mesh.get_group())
     options: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if config.mixed_precision:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -65,15 +67,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
     return model
 
 
-def _broadcast_from_first(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Each rank keeps its shard of its own copy: the copies must be the same."""
-    if mesh.size() == 1:
-        return
-    group = mesh.get_group()
-    first = dist.get_global_rank(group, 0)
+def broadcast_from_first(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Give every rank of ``group`` (default: all) the parameters and buffers of its first
+    rank. A tensor already split by tensor parallelism (a DTensor) is the same piece on
+    every rank of a dp group (one tp coordinate): that piece is what is sent."""
+    first = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
         for tensor in itertools.chain(model.parameters(), model.buffers()):
-            dist.broadcast(tensor, src=first, group=group)
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            dist.broadcast(local, src=first, group=group)
 
 
 def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -87,18 +89,25 @@ def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
 
 
 def follow_parameters(model: nn.Module, optimizer: torch.optim.Optimizer,
-                      names: list[list[str]]) -> None:
+                      names: list[list[str]], only_present: bool = False) -> None:
     """Point ``optimizer``'s groups at the parameters now named ``names`` in ``model``.
 
-    FSDP replaces each parameter by a sharded one of the same name. The optimizer object
-    stays the same, so a scheduler or hook bound to it keeps working.
+    FSDP and tensor parallelism replace each parameter by a sharded one of the same name;
+    a pipeline stage holds only some of them (``only_present``: the others are dropped).
+    The optimizer object stays the same, so a scheduler or hook bound to it keeps working.
     """
     if optimizer.state:
         raise UsageError("the optimizer has already stepped: set up the model before "
                          "training, with a fresh optimizer")
     params = dict(model.named_parameters())
     for group, group_names in zip(optimizer.param_groups, names, strict=True):
-        group["params"] = [params[n] for n in group_names]
+        group["params"] = [params[n] for n in group_names if not only_present or n in params]
+
+
+def local_numel(model: nn.Module) -> int:
+    """Parameter elements on this rank: of a tensor-parallel piece, the piece."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+               for p in model.parameters())
 
 
 class FSDPTraffic:
@@ -110,7 +119,7 @@ class FSDPTraffic:
 
     def __init__(self, model: nn.Module, traffic: Traffic, world_size: int,
                  config: FSDPConfig, reshard_after_forward: bool):
-        numel = sum(p.numel() for p in model.parameters())
+        numel = local_numel(model)
         gathered = 2 if config.mixed_precision else 4  # bytes per element: bf16 or fp32
         passes = 2 if reshard_after_forward else 1
         self.gather_bytes = passes * all_gather_bytes(numel * gathered / world_size, world_size)

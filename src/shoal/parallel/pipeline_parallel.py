@@ -9,9 +9,10 @@ loss. A batch is cut into microbatches that flow through the stages in the order
     1f1b   after a warm-up, one forward then one backward: at most ``stages`` microbatches'
            activations live at once. Needs microbatches >= stages.
 
-Each microbatch's loss is its mean; the schedule divides the summed gradients by the number
-of microbatches, so the gradient is the full batch's mean-loss gradient, as without
-pipelining. The model must have the structure of ``shoal.examples.gpt.GPT``: ``embed``,
+Each microbatch's loss is its mean, back-propagated divided by the number of microbatches,
+so the summed gradient is the full batch's mean-loss gradient, as without pipelining.
+Successive ``step`` calls add their gradients up (accumulation), each weighted by its
+``scale``. The model must have the structure of ``shoal.examples.gpt.GPT``: ``embed``,
 ``blocks`` (a ModuleList), ``logits``, with ``tok_emb``/``pos_emb`` used by ``embed`` and
 ``norm``/``head`` by ``logits``.
 """
@@ -90,12 +91,34 @@ class _Stage(nn.Module):
         return x
 
 
+class _ScaledLoss:
+    """The loss the schedule back-propagates: ``loss_fn`` times ``scale / microbatches``.
+
+    Scaling the loss rather than the gradients (torch's ``scale_grads``) leaves gradients
+    of earlier steps alone, so they accumulate. The plain losses are kept for reporting
+    (the schedule also calls it while it sets the stages up, the first step and after a
+    switch between training and evaluation: only the last ``microbatches`` count).
+    """
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 microbatches: int):
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+        self.scale = 1.0
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(outputs, targets)
+        self.losses.append(loss.detach())
+        return loss * (self.scale / self.microbatches)
+
+
 class PipelineModel:
     """This rank's stage and the schedule that runs it; what training code holds instead of
     the model. Every rank of the pipeline calls ``step`` with the same batch."""
 
-    def __init__(self, stage: _Stage, module: nn.Module, schedule: Any, pp_mesh: DeviceMesh,
-                 config: PipelineConfig, blocks: range):
+    def __init__(self, stage: _Stage, module: nn.Module, schedule: Any, loss: _ScaledLoss,
+                 pp_mesh: DeviceMesh, config: PipelineConfig, blocks: range):
         self.stage = stage
         """This rank's stage, unwrapped: its names are the original model's."""
         self.module = module
@@ -106,6 +129,7 @@ class PipelineModel:
         self.stage_index = pp_mesh.get_local_rank()
         self.num_stages = pp_mesh.size()
         self._schedule = schedule
+        self._loss = loss
         self._group = pp_mesh.get_group()
         self._device = _device(pp_mesh)
 
@@ -117,25 +141,44 @@ class PipelineModel:
     def is_last(self) -> bool:
         return self.stage.is_last
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one batch through every stage; the gradients are left in
-        this stage's parameters. Returns the batch's mean loss (detached) on every rank."""
-        batch, micro = inputs.shape[0], self.config.microbatches
-        if batch % micro or targets.shape[0] != batch:
-            raise UsageError(f"a batch of {batch} inputs and {targets.shape[0]} targets "
-                             f"cannot be cut into {micro} equal microbatches: use a batch "
-                             f"size that is a multiple of {micro}")
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float = 1.0
+             ) -> torch.Tensor:
+        """Forward and backward of one batch through every stage; the gradients of the
+        batch's mean loss times ``scale`` are added to this stage's parameters' (as
+        ``(loss * scale).backward()`` would). Returns the batch's mean loss (detached,
+        unscaled) on every rank."""
+        self._check_batch(inputs, targets)
         args = (inputs,) if self.is_first else ()
-        losses: list[torch.Tensor] = []
+        self._loss.scale, self._loss.losses = scale, []
         if self.is_last:
-            self._schedule.step(*args, target=targets, losses=losses, return_outputs=False)
-            loss = torch.stack(losses).mean().detach()
+            self._schedule.step(*args, target=targets, return_outputs=False)
+            # The last ones: setting the stages up also calls the loss once, on a sample.
+            loss = torch.stack(self._loss.losses[-self.config.microbatches:]).mean()
         else:
             self._schedule.step(*args, return_outputs=False)
             loss = torch.zeros((), device=self._device)
         # For logging on every rank: the last stage has it.
         dist.broadcast(loss, group=self._group, group_src=self.num_stages - 1)
         return loss
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward only: the model's outputs for ``inputs`` on the last stage, None on the
+        others (the schedule computes the loss too: it needs ``targets``). The batch must
+        have the training batch's shape (the stages exchange buffers of that size): pad a
+        short one and ignore the padding's outputs."""
+        self._check_batch(inputs, targets)
+        args = (inputs,) if self.is_first else ()
+        self._loss.losses = []
+        outputs = self._schedule.eval(*args, target=targets if self.is_last else None)
+        return outputs if self.is_last else None
+
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        batch, micro = inputs.shape[0], self.config.microbatches
+        if batch % micro or targets.shape[0] != batch:
+            raise UsageError(f"a batch of {batch} inputs and {targets.shape[0]} targets "
+                             f"cannot be cut into {micro} equal microbatches: use a batch "
+                             f"size that is a multiple of {micro}")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This stage's parameters, for its optimizer."""
@@ -147,6 +190,13 @@ class PipelineModel:
     def train(self, mode: bool = True) -> PipelineModel:
         self.module.train(mode)
         return self
+
+    def eval(self) -> PipelineModel:
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
 
     def state_dict(self) -> dict[str, Any]:
         """This stage's tensors under the unsplit model's names; the union over the stages
@@ -171,8 +221,9 @@ def apply_pp(model: nn.Module, pp_mesh: DeviceMesh, config: PipelineConfig,
 
     ``loss_fn(outputs, targets)`` is the mean loss of one microbatch, computed on the last
     stage. ``parallelize_stage`` is applied to the stage module before the schedule is
-    built: the place for tensor parallelism (``apply_tp``) and for sharding over the dp
-    mesh (``fully_shard``; not DDP) on a mesh of more dimensions. The mesh, the schedule,
+    built: the place for tensor parallelism (``apply_tp``) and for the data-parallel
+    wrapper over the dp mesh (``apply_fsdp`` or ``apply_replicate``; not DDP) on a mesh
+    of more dimensions. The mesh, the schedule,
     the model's structure and the split are checked before the model is changed.
     """
     if pp_mesh.ndim != 1:
@@ -200,13 +251,20 @@ def apply_pp(model: nn.Module, pp_mesh: DeviceMesh, config: PipelineConfig,
         # torch's schedules call DDP's reducer by hand; with microbatches it fails on the
         # second step, or with static_graph=True averages wrong gradients without a word.
         raise UsageError("a pipeline stage cannot be wrapped in DistributedDataParallel: "
-                         "shard it over the dp mesh with fully_shard (shoal.parallel.fsdp) "
-                         "instead")
+                         "replicate it over the dp mesh with shoal.parallel.replicate."
+                         "apply_replicate, or shard it with shoal.parallel.fsdp.apply_fsdp")
     pipeline_stage = PipelineStage(module, index, n_stages, _device(pp_mesh),
                                    group=pp_mesh.get_group())
+    loss = _ScaledLoss(loss_fn, config.microbatches)
     schedule = _SCHEDULES[config.schedule](pipeline_stage, n_microbatches=config.microbatches,
-                                           loss_fn=loss_fn, scale_grads=True)
-    return PipelineModel(stage, module, schedule, pp_mesh, config, blocks)
+                                           loss_fn=loss, scale_grads=False)
+    return PipelineModel(stage, module, schedule, loss, pp_mesh, config, blocks)
+
+
+def placed_in_stage(name: str) -> bool:
+    """Whether the unsplit model's parameter (or state) ``name`` is one the pipeline gives
+    to a single stage: a block's, the embeddings' or the head's."""
+    return name.split(".", 1)[0] in ("blocks", *_EMBED, *_HEAD)
 
 
 def _check_structure(model: nn.Module) -> None:

@@ -92,6 +92,13 @@ class ParallelDims(BaseModel):
         """The model itself is split (tensor or pipeline parallel)."""
         return self.tp_enabled or self.pp_enabled
 
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``rank``'s place (pp, dp, tp) in the mesh: ranks are laid out row-major over
+        ("pp", "dp", "tp"), as ``build_mesh`` builds it. Needs no communication."""
+        if self.dp is None:
+            raise RuntimeError("ParallelDims.resolve(world_size) first")
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The device mesh, dimensions named ("pp", "dp", "tp"), degree-1 ones included
         (``mesh["tp"]`` always exists; a dimension of one rank costs nothing to speak of).

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from shoal.checkpoint import CheckpointError, CheckpointStore, rng, tree
 from shoal.errors import UsageError
+from shoal.parallel.pipeline_parallel import placed_in_stage
 from shoal.parallel.zero import gather_optimizer_state, is_zero, load_optimizer_state
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class Checkpointing:
         own = {"rng": rng.capture(), "comm": t.harness.comm_state_dict()}
         # Under local_sgd / diloco every rank holds its own replica and optimizer state.
         replicas = own if self.local else shared
-        model_state, optimizer_state = model_and_optimizer_state(t.model, t.optimizer)
+        model_state, optimizer_state = model_and_optimizer_state(t.state_model, t.optimizer)
         replicas.update(model=model_state, optimizer=optimizer_state)
         if t.lr_scheduler is not None:
             shared["lr_scheduler"] = t.lr_scheduler.state_dict()
@@ -89,7 +90,7 @@ class Checkpointing:
         meta = {"global_step": t.global_step, "epoch": t.epoch,
                 # None: the loader cannot resume mid-epoch; the epoch restarts instead.
                 "consumed": consumed, "batch_size": c.batch_size,
-                "global_batch": t.harness.world_size * c.batch_size * t.accumulate,
+                "global_batch": t.harness.dims.dp * c.batch_size * t.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
                 "run_config": t.run_config}
         path = self.store.save(t.global_step, shared, own, meta)
@@ -108,12 +109,16 @@ class Checkpointing:
         if path is None:
             _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
             return 0
-        shared, own, meta = self.store.load(path, like=self._layout() if t.harness.sharded
-                                            else None)
+        split = t.harness.sharded or t.harness.model_parallel
+        shared, own, meta = self.store.load(path, like=self._layout() if split else None)
         replicas = self._replicas(path, shared, own, meta)
-        _check_model_fits(path, replicas["model"], get_model_state_dict(t.model))
-        load_model_and_optimizer_state(t.model, t.optimizer, replicas["model"],
-                                       replicas["optimizer"])
+        live = get_model_state_dict(t.state_model)
+        model_state, optimizer_state = replicas["model"], replicas["optimizer"]
+        if t.harness.dims.pp_enabled:  # this stage's part of the whole model's state
+            model_state, optimizer_state = _stage_part(model_state, optimizer_state, live)
+        _check_model_fits(path, model_state, live)
+        load_model_and_optimizer_state(t.state_model, t.optimizer, model_state,
+                                       optimizer_state)
         t.harness.precision.load_state_dict(shared["scaler"])
         if t.lr_scheduler is not None and "lr_scheduler" in shared:
             t.lr_scheduler.load_state_dict(shared["lr_scheduler"])
@@ -133,7 +138,7 @@ class Checkpointing:
         checkpoint may file them under."""
         t = self.trainer
         with _unhooked(t.optimizer):  # a fresh optimizer's state is created, to load into
-            model_state, optimizer_state = get_state_dict(t.model, t.optimizer)
+            model_state, optimizer_state = get_state_dict(t.state_model, t.optimizer)
         _, tensors = tree.split({"model": model_state, "optimizer": optimizer_state}, "shared")
         like = {k: torch.empty_like(v) for k, v in tensors.items()}
         own = f"rank{t.harness.rank}"
@@ -172,7 +177,7 @@ class Checkpointing:
 
     def _keep_global_batch(self, meta: dict) -> None:
         t = self.trainer
-        world, batch = t.harness.world_size, t.config.batch_size
+        world, batch = t.harness.dims.dp, t.config.batch_size
         global_batch = meta["global_batch"]
         if global_batch == world * batch * t.accumulate:
             return
@@ -238,11 +243,31 @@ def _finite(t: Trainer) -> bool:
     verdict without talking; shards differ, so sharded ranks agree on one."""
     finite = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
                  for p in t.module.parameters())
-    if not t.harness.sharded or t.harness.world_size == 1:
+    split = t.harness.sharded or t.harness.model_parallel
+    if not split or t.harness.world_size == 1:
         return finite
     flag = torch.tensor([int(finite)], device=t.harness.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _stage_part(model_state: dict, optimizer_state: dict, live: dict) -> tuple[dict, dict]:
+    """The entries of a whole model's (name-keyed) state that belong to this pipeline
+    stage, whose own state has the keys ``live``. A key of neither is left to
+    ``_check_model_fits`` to report: only other stages' parameters are dropped."""
+    def mine(name: str) -> bool:
+        return name in live or not placed_in_stage(name)
+
+    model_state = {k: v for k, v in model_state.items() if mine(k)}
+    if any(isinstance(p, int) for group in optimizer_state["param_groups"]
+           for p in group["params"]):
+        raise UsageError("this checkpoint numbers its optimizer state by position (written "
+                         "by an older shoal): resume it without pipeline parallelism first")
+    optimizer_state = {
+        "state": {k: v for k, v in optimizer_state["state"].items() if mine(k)},
+        "param_groups": [{**g, "params": [p for p in g["params"] if mine(p)]}
+                         for g in optimizer_state["param_groups"]]}
+    return model_state, optimizer_state
 
 
 def _check_model_fits(path: Path, saved: dict, live: dict) -> None:

@@ -19,10 +19,11 @@ from shoal.parallel.averaging import DiLoCoConfig, LocalSGDConfig
 from shoal.parallel.compression import CompressionConfig
 from shoal.parallel.ddp import DDPConfig
 from shoal.parallel.fsdp import FSDPConfig
+from shoal.parallel.pipeline_parallel import PipelineConfig
+from shoal.parallel.tensor_parallel import TensorParallelConfig
 from shoal.parallel.topology import ParallelDims
 
 Precision = Literal["32", "bf16-mixed", "fp16-mixed"]
-
 
 class TrainerConfig(BaseModel):
     """Settings of ``shoal.Trainer`` and the ``trainer:`` section of a run config."""
@@ -37,7 +38,13 @@ class TrainerConfig(BaseModel):
     and average the weights every few steps."""
     parallel: ParallelDims = Field(default_factory=ParallelDims)
     """Degrees of data (dp), tensor (tp) and pipeline (pp) parallelism; dp x tp x pp must
-    be the world size (dp defaults to what tp and pp leave)."""
+    be the world size (dp defaults to what tp and pp leave). With tp or pp > 1 the
+    strategy says how the dp ranks share each (stage of the) split model: 'ddp'
+    (replicas), 'zero2' or 'fsdp' (shards)."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """Options of the ready transformer plan, used when parallel.tp > 1."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Schedule and microbatches, used when parallel.pp > 1."""
     ddp: DDPConfig = Field(default_factory=DDPConfig)
     """Settings of DistributedDataParallel, under 'ddp' and 'zero1'."""
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
@@ -105,10 +112,27 @@ class TrainerConfig(BaseModel):
         if self.nonfinite is not None and local:
             raise ValueError(f"nonfinite needs the same gradients on every rank; with "
                              f"strategy '{self.strategy}' each rank has its own (unset it)")
-        if local and self.parallel.model_parallel:
-            raise ValueError(f"strategy '{self.strategy}' averages whole replicas: it cannot "
-                             "be combined with tensor or pipeline parallelism (set tp and pp "
-                             "to 1, or use strategy 'ddp' or 'fsdp')")
+        if self.strategy in ("zero1", "local_sgd", "diloco") and self.parallel.model_parallel:
+            raise ValueError(f"strategy '{self.strategy}' cannot be combined with tensor or "
+                             "pipeline parallelism (set tp and pp to 1, or use strategy "
+                             "'ddp', 'zero2' or 'fsdp')")
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_settings(self) -> TrainerConfig:
+        pp, micro = self.parallel.pp, self.pipeline.microbatches
+        if pp == 1:
+            return self
+        if self.batch_size % micro:
+            raise ValueError(f"pipeline.microbatches {micro} must divide batch_size "
+                             f"{self.batch_size}: each batch is cut into equal microbatches")
+        if self.pipeline.schedule == "1f1b" and micro < pp:
+            raise ValueError(f"pipeline schedule '1f1b' needs microbatches >= stages: got "
+                             f"{micro} for pp {pp}; raise pipeline.microbatches to {pp} or "
+                             "use schedule 'gpipe'")
+        if self.precision == "fp16-mixed":
+            raise ValueError("precision 'fp16-mixed' needs a gradient scaler that the "
+                             "pipeline schedule does not apply: use 'bf16-mixed' with pp > 1")
         return self
 
     @model_validator(mode="after")

@@ -43,9 +43,14 @@ from shoal.parallel.fsdp import (
     FSDPConfig,
     FSDPTraffic,
     apply_fsdp,
+    broadcast_from_first,
     follow_parameters,
     parameter_names,
 )
+from shoal.parallel.grad_norm import clip_grad_norm_, total_norm
+from shoal.parallel.pipeline_parallel import PipelineConfig, PipelineModel, apply_pp
+from shoal.parallel.replicate import ReplicateTraffic, apply_replicate
+from shoal.parallel.tensor_parallel import TensorParallelConfig, apply_tp
 from shoal.parallel.topology import ParallelDims
 from shoal.parallel.traffic import StepComm, Traffic
 from shoal.parallel.zero import ZeroTraffic, apply_zero1
@@ -86,13 +91,17 @@ class Harness:
                  diloco: DiLoCoConfig | dict | None = None,
                  fsdp: FSDPConfig | dict | None = None,
                  parallel: ParallelDims | dict | None = None,
+                 tensor_parallel: TensorParallelConfig | dict | None = None,
+                 pipeline: PipelineConfig | dict | None = None,
+                 tp_plan: dict | None = None,
                  activation_checkpointing: bool = False, blocks: list[str] | None = None,
                  seed: int = 0):
         from shoal.training.config import TrainerConfig
 
         # Validate through the same schema as the Trainer, so both reject the same inputs.
         options = {"ddp": ddp, "compression": compression, "local_sgd": local_sgd,
-                   "diloco": diloco, "fsdp": fsdp, "parallel": parallel, "blocks": blocks}
+                   "diloco": diloco, "fsdp": fsdp, "parallel": parallel, "blocks": blocks,
+                   "tensor_parallel": tensor_parallel, "pipeline": pipeline}
         config = TrainerConfig.build(strategy=strategy, precision=precision, backend=backend,
                                      seed=seed, activation_checkpointing=activation_checkpointing,
                                      **{k: v for k, v in options.items() if v is not None})
@@ -100,9 +109,13 @@ class Harness:
         self.env = rt.init(config.backend)
         # The topology is checked here, once, before any model or data is touched.
         self.dims = config.parallel.resolve(self.env.world_size)
+        self.pp_rank, self.dp_rank, self.tp_rank = self.dims.coordinates(self.env.rank)
+        self.tp_plan = tp_plan  # a user's tensor-parallel plan, instead of the ready one
         self.mesh: DeviceMesh | None = None  # built when a strategy needs one
         self.device = rt.device()
-        self.precision = Precision(config.precision, self.device, sharded=self.sharded)
+        # Gradients as DTensors: the scaler that checks every rank's part for overflow.
+        self.precision = Precision(config.precision, self.device,
+                                   sharded=self.sharded or self.dims.model_parallel)
         self.traffic = Traffic()
         self.comm = None  # the compression hook's or the weight averaging's state
         self.last_comm = StepComm(0.0, 0.0, 0.0)  # what the last step sent and waited for
@@ -125,8 +138,19 @@ class Harness:
         """Parameters are sharded DTensors ('zero2', 'fsdp'): each rank holds a part."""
         return self.config.strategy in ("zero2", "fsdp")
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
-              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    @property
+    def model_parallel(self) -> bool:
+        """The model itself is split over ranks (tp or pp > 1)."""
+        return self.dims.model_parallel
+
+    @property
+    def pp_group(self) -> torch.distributed.ProcessGroup | None:
+        """The ranks holding the other pipeline stages (None without pp)."""
+        return self._mesh()["pp"].get_group() if self.dims.pp_enabled else None
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+              loss_fn: Any = None) -> tuple[nn.Module | PipelineModel,
+                                            torch.optim.Optimizer | None]:
         """Move ``model`` to this rank's device and apply the strategy to it.
 
         Under ddp, zero1, zero2 and fsdp every rank starts from rank 0's weights.
@@ -134,10 +158,16 @@ class Harness:
         replaces them by sharded ones and ``optimizer`` is pointed at those.
         Under 'zero1' the returned optimizer is a new one (ZeroRedundancyOptimizer): build
         an LR scheduler on it.
+
+        With pipeline parallelism (pp > 1) the result is a ``PipelineModel``: train with
+        its ``step(inputs, targets)``, which runs forward and backward through every stage
+        and needs ``loss_fn(outputs, targets)`` (a microbatch's mean loss); ``optimizer``
+        keeps only this stage's parameters.
         """
         c = self.config
         model = model.to(self.device)
-        self._check_model(model)
+        if self.model_parallel:
+            return self._setup_model_parallel(model, optimizer, loss_fn)
         blocks = find_blocks(model, c.blocks) \
             if c.activation_checkpointing or self.sharded else None
         # torchtitan's order: tensor parallel, activation checkpointing, then the data-parallel
@@ -168,23 +198,61 @@ class Harness:
             self.comm = apply_compression(model, c.compression, self.traffic, seed=c.seed)
         return model, optimizer
 
-    def _check_model(self, model: nn.Module) -> None:
-        """Model-parallel degrees must fit the model (heads over tp, blocks over pp)."""
-        if not self.dims.model_parallel:
-            return
+    def _setup_model_parallel(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                              loss_fn: Any) -> tuple[nn.Module | PipelineModel,
+                                                     torch.optim.Optimizer | None]:
+        """torchtitan's order: tensor parallel, activation checkpointing, the data-parallel
+        wrapper (of each pipeline stage), the pipeline."""
+        c, dims = self.config, self.dims
         blocks = getattr(model, "blocks", None)
-        self.dims.validate_model(
+        dims.validate_model(
             n_layer=len(blocks) if isinstance(blocks, nn.ModuleList) else None,
             n_head=getattr(getattr(model, "config", None), "n_head", None))
-        raise UsageError("trainer.parallel: tensor and pipeline parallelism are not part of "
-                         "the Trainer and Harness yet; set tp and pp to 1, or apply "
-                         "shoal.parallel.tensor_parallel.apply_tp / pipeline_parallel.apply_pp "
-                         "in your own loop (docs/model_parallel.md)")
+        if dims.pp_enabled and loss_fn is None:
+            raise UsageError("pipeline parallelism computes the loss on the last stage: pass "
+                             "loss_fn to setup")
+        names = parameter_names(model, optimizer) if optimizer is not None else None
+        mesh = self._mesh()
+        # Pieces of one rank's model must fit together: everyone starts from rank 0's.
+        broadcast_from_first(model)
+        if dims.tp_enabled:
+            apply_tp(model, mesh["tp"], None if self.tp_plan else c.tensor_parallel,
+                     plan=self.tp_plan)
+        blocks = find_blocks(model, c.blocks) \
+            if c.activation_checkpointing or dims.dp_enabled else None
+        if c.activation_checkpointing:
+            apply_activation_checkpointing(model, blocks)
 
-    def _dp_mesh(self) -> DeviceMesh:
+        def data_parallel(module: nn.Module, blocks: list[nn.Module] | None) -> nn.Module:
+            if self.sharded:
+                reshard = c.strategy == "fsdp"
+                self.comm = FSDPTraffic(module, self.traffic, dims.dp, c.fsdp, reshard)
+                return apply_fsdp(module, mesh["dp"], c.fsdp, blocks=blocks,
+                                  reshard_after_forward=reshard)
+            if dims.dp_enabled:  # 'ddp': whole (stages of) split models on each dp rank
+                self.comm = ReplicateTraffic(module, self.traffic, dims.dp)
+                return apply_replicate(module, mesh["dp"], blocks)
+            return module
+
+        if dims.pp_enabled:
+            pipeline = apply_pp(model, mesh["pp"], c.pipeline, loss_fn,
+                                parallelize_stage=lambda stage: data_parallel(
+                                    stage, list(stage.blocks.values()) if blocks else None))
+            if optimizer is not None:
+                follow_parameters(pipeline.stage, optimizer, names, only_present=True)
+            return pipeline, optimizer
+        model = data_parallel(model, blocks)
+        if optimizer is not None:
+            follow_parameters(model, optimizer, names)
+        return model, optimizer
+
+    def _mesh(self) -> DeviceMesh:
         if self.mesh is None:
             self.mesh = self.dims.build_mesh(self.device.type)
-        return self.mesh["dp"]
+        return self.mesh
+
+    def _dp_mesh(self) -> DeviceMesh:
+        return self._mesh()["dp"]
 
     def synchronize(self) -> None:
         """local_sgd / diloco: bring every replica to the shared model now (at the end of
@@ -211,11 +279,14 @@ class Harness:
     def setup_dataloader(self, data: Dataset | DataLoader, batch_size: int = 32, *,
                          shuffle: bool = True, evaluation: bool = False,
                          num_workers: int = 0) -> DataLoader:
-        """A loader over this rank's share of ``data`` (see ``shard_dataloader``)."""
-        return shard_dataloader(data, world_size=self.world_size, rank=self.rank,
+        """A loader over this rank's share of ``data`` (see ``shard_dataloader``): shares
+        go to the dp ranks; the tp and pp ranks of one dp rank read the same batches.
+        Pipeline training needs full batches: an epoch's incomplete last one is dropped."""
+        return shard_dataloader(data, world_size=self.dims.dp, rank=self.dp_rank,
                                 batch_size=batch_size, shuffle=shuffle and not evaluation,
                                 seed=self.config.seed, evaluation=evaluation,
-                                num_workers=num_workers)
+                                num_workers=num_workers,
+                                drop_last=self.dims.pp_enabled and not evaluation)
 
     def to_device(self, batch: Any) -> Any:
         return move_to_device(batch, self.device)
@@ -270,7 +341,10 @@ class Harness:
             self.precision.unscale(optimizer)
             params = list(model.parameters() if model is not None else (
                 p for group in optimizer.param_groups for p in group["params"]))
-            if clip_grad_norm is not None:
+            if self.model_parallel:  # pieces of several kinds and meshes, stages apart
+                norm = clip_grad_norm_(params, clip_grad_norm, self.pp_group) \
+                    if clip_grad_norm is not None else total_norm(params, self.pp_group)
+            elif clip_grad_norm is not None:
                 norm = _full(torch.nn.utils.clip_grad_norm_(params, clip_grad_norm))
             else:
                 norm = _full(torch.nn.utils.get_total_norm(

@@ -23,6 +23,7 @@ from shoal.data.sharding import (
 )
 from shoal.errors import NonFiniteError, UsageError
 from shoal.metrics.recorder import StepMetrics
+from shoal.parallel.pipeline_parallel import PipelineModel
 from shoal.runtime.heartbeat import heartbeat
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
@@ -90,6 +91,15 @@ def _lockstep(loader: DataLoader, device: torch.device) -> Iterator[tuple[Any, b
         yield (batch, True) if batch is not None else (spare, False)
 
 
+def _padded(inputs: torch.Tensor, size: int) -> torch.Tensor:
+    """``inputs`` with copies of its last row appended up to ``size`` rows: a pipeline
+    runs batches of one shape only."""
+    missing = size - inputs.shape[0]
+    if missing <= 0:
+        return inputs
+    return torch.cat([inputs, inputs[-1:].expand(missing, *inputs.shape[1:])])
+
+
 def _rescale_gradients(model: nn.Module, factor: float) -> None:
     for param in model.parameters():
         if param.grad is not None:
@@ -113,13 +123,16 @@ class Trainer:
         self.harness = Harness(c.strategy, c.precision, backend=c.backend, ddp=c.ddp,
                                compression=c.compression, local_sgd=c.local_sgd,
                                diloco=c.diloco, fsdp=c.fsdp, parallel=c.parallel,
+                               tensor_parallel=c.tensor_parallel, pipeline=c.pipeline,
                                activation_checkpointing=c.activation_checkpointing,
                                blocks=c.blocks, seed=c.seed)
-        # Each rank gets its own stream of random numbers (dropout); the data order comes
-        # from the sampler's seed and is the same on every rank.
-        seed_everything(c.seed + self.harness.rank)
-        self.model, self.optimizer = self.harness.setup(model, optimizer)
+        # Each dp rank gets its own stream of random numbers (dropout); its tp and pp ranks
+        # share it, as they compute parts of one forward. The data order comes from the
+        # sampler's seed and is the same on every rank.
+        seed_everything(c.seed + self.harness.dp_rank)
         self.loss_fn = loss_fn or F.cross_entropy
+        self.model, self.optimizer = self.harness.setup(model, optimizer, self.loss_fn)
+        self.pipeline = isinstance(self.model, PipelineModel)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
         elif getattr(lr_scheduler, "optimizer", self.optimizer) is not self.optimizer:
@@ -143,8 +156,16 @@ class Trainer:
 
     @property
     def module(self) -> nn.Module:
-        """The user's model, without the strategy's wrapper."""
+        """The user's model, without the strategy's wrapper (under pipeline parallelism:
+        this rank's stage, under the model's own parameter names)."""
+        if isinstance(self.model, PipelineModel):
+            return self.model.stage
         return getattr(self.model, "module", self.model)
+
+    @property
+    def state_model(self) -> nn.Module:
+        """What model state is read from and loaded into (a wrapper, or a stage)."""
+        return self.model.stage if isinstance(self.model, PipelineModel) else self.model
 
     def _loader(self, data: Dataset | DataLoader, evaluation: bool) -> DataLoader:
         return self.harness.setup_dataloader(data, self.config.batch_size, shuffle=True,
@@ -234,6 +255,8 @@ class Trainer:
         before = (traffic.steps, traffic.total_bytes, traffic.total_wait)
         start = time.perf_counter()
         stopped = False
+        # A dp rank's tp and pp ranks read the same batch: one of them counts it.
+        counts = h.tp_rank == 0 and h.pp_rank == 0
         clock = self._metrics.clock if self._metrics else None
         if clock:
             clock.begin()
@@ -248,10 +271,15 @@ class Trainer:
                 window_samples = samples_between(loader, i, i + window)
                 step_loss, step_samples, step_tokens = 0, 0, 0
             inputs, targets = _unpack(h.to_device(batch))
-            with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
+            if self.pipeline:  # forward and backward through every stage in one call
                 with h.autocast():
-                    loss = self.loss_fn(model(inputs), targets)
-                h.backward(self._scaled(loss, window, window_samples, batch))
+                    loss = model.step(inputs, targets,
+                                      scale=self._weight(window, window_samples, batch))
+            else:
+                with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
+                    with h.autocast():
+                        loss = self.loss_fn(model(inputs), targets)
+                    h.backward(self._scaled(loss, window, window_samples, batch))
             if clock:
                 clock.lap("forward_backward")
             loss_sum += loss.detach()
@@ -259,8 +287,9 @@ class Trainer:
             samples += _batch_len(batch)
             if self._metrics:
                 step_loss = step_loss + loss.detach()
-                step_samples += _batch_len(batch)
-                step_tokens += _tokens(inputs)
+                if counts:
+                    step_samples += _batch_len(batch)
+                    step_tokens += _tokens(inputs)
             if not step_now:
                 continue
             if length is None and position + 1 < k:
@@ -273,7 +302,7 @@ class Trainer:
                                    step_loss / (position + 1), h.last_grad_norm,
                                    step_samples, step_tokens, h.last_comm)
             if progress.wants_update():
-                rate = samples * h.world_size / (time.perf_counter() - start)
+                rate = samples * h.dims.dp / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
                 if clock:
                     clock.skip()  # the display counts as 'other' of the next step
@@ -319,10 +348,15 @@ class Trainer:
         exact. A short final global batch gives ranks unequal shares: each rank's loss then
         counts by its share of the window's ``total`` samples (None: unknown, assume equal).
         """
-        share = _batch_len(batch) * self.harness.world_size
+        share = _batch_len(batch) * self.harness.dims.dp
         if total is None or share * window == total:
             return loss / window if window > 1 else loss
         return loss * (share / total)
+
+    def _weight(self, window: int, total: int | None, batch: Any) -> float:
+        """``_scaled``'s factor, for a pipeline that applies it itself."""
+        share = _batch_len(batch) * self.harness.dims.dp
+        return 1 / window if total is None or share * window == total else share / total
 
     def _optimizer_step(self, consumed: int | None, loss: torch.Tensor | None = None) -> None:
         c = self.config
@@ -374,26 +408,33 @@ class Trainer:
         module = self.module
         was_training = module.training
         module.eval()
-        # loss * n, correct, n: summed over ranks, so the mean weights every sample once.
-        totals = torch.zeros(3, device=h.device, dtype=torch.float64)
-        classify = True
+        # loss * n, correct, n, batches not of class targets: summed over ranks, so the
+        # mean weights every sample once (tp ranks each count every sample: the same mean).
+        totals = torch.zeros(4, device=h.device, dtype=torch.float64)
         batches = _lockstep(loader, h.device) if h.sharded else ((b, True) for b in loader)
         for batch, counts in batches:
             heartbeat(self.global_step)  # a long validation is progress too
             inputs, targets = _unpack(h.to_device(batch))
-            with h.autocast():
-                outputs = module(inputs)
-            if not counts:
-                continue
             n = targets.shape[0]
+            with h.autocast():
+                if self.pipeline:  # outputs on the last stage only
+                    size = self.config.batch_size
+                    outputs = self.model.evaluate(_padded(inputs, size), _padded(targets, size))
+                    outputs = outputs[:n] if outputs is not None else None
+                else:
+                    outputs = module(inputs)
+            if not counts or outputs is None:
+                continue
             totals[0] += self.loss_fn(outputs.float(), targets).double() * n
             totals[2] += n
-            classify = classify and outputs.dim() == 2 and not targets.is_floating_point()
-            if classify:
+            if outputs.dim() == 2 and not targets.is_floating_point():
                 totals[1] += (outputs.argmax(dim=1) == targets).sum()
+            else:
+                totals[3] += 1
         module.train(was_training)
         if h.world_size > 1:
             torch.distributed.all_reduce(totals)
+        classify = totals[3].item() == 0
         count = totals[2].clamp(min=1)
         result = {"val_loss": (totals[0] / count).item()}
         if classify:
