@@ -1,4 +1,4 @@
-"""Memory per rank of ddp, zero1, zero2 and fsdp, against ZeRO's ideal figures; step time.
+"""Memory per rank of ddp, zero1, zero2, fsdp, tp and pp, against the ideal figures; step time.
 
 Each (strategy, world size) is a fresh job of W processes (``shoal.spawn``, gloo on CPU)
 that trains shoal's GPT (``--params`` parameters or more, Ψ) with AdamW in fp32 for
@@ -12,7 +12,13 @@ of
     + gradients + optimizer state (ZeRO-1: this rank's share).
 
 The ideal figures (ZeRO paper, fp32 + Adam): ddp 16Ψ, zero1 4Ψ + 4Ψ + 8Ψ/W, zero2
-4Ψ + 12Ψ/W, fsdp 16Ψ/W. Not sampled: inside backward, FSDP holds one block's gathered
+4Ψ + 12Ψ/W, fsdp 16Ψ/W. ``tp`` (tensor parallel over all W ranks, the ready transformer
+plan) and ``pp`` (W pipeline stages, GPipe, one microbatch) split the model itself; their
+ideal is 16Ψ/W too, which they exceed by what they do not split: under tp the embeddings,
+norms and head stay whole on every rank, under pp the blocks are split in whole blocks and
+the first and last stages also hold the embeddings and the head. Their step time is not
+compared (every rank works on the same batch, a different amount of work than ddp's).
+Not sampled: inside backward, FSDP holds one block's gathered
 parameters and whole gradients for a moment (here a block is 1/7 of the model). Peak RSS
 is each rank's ru_maxrss (the largest over ranks); "over start" subtracts the process's
 size once torch is loaded and the process group is up. It includes DDP's gradient buckets,
@@ -44,7 +50,8 @@ from torch.distributed.tensor import DTensor
 import shoal
 from shoal.examples import gpt
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tp", "pp")
+TIMED = ("ddp", "zero1", "zero2", "fsdp")  # the same work per step: step times compare
 MB = 2**20
 
 
@@ -52,7 +59,8 @@ def ideal_bytes(strategy: str, params: int, world: int) -> float:
     """ZeRO's figures for fp32 weights and gradients and Adam's two fp32 moments."""
     psi = params
     return {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi / world,
-            "zero2": 4 * psi + 12 * psi / world, "fsdp": 16 * psi / world}[strategy]
+            "zero2": 4 * psi + 12 * psi / world, "fsdp": 16 * psi / world,
+            "tp": 16 * psi / world, "pp": 16 * psi / world}[strategy]
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -90,27 +98,36 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 
 def run(strategy: str, config: dict, steps: int, tokens: int) -> dict:
     """One rank of one job: memory figures and step times."""
-    harness = shoal.Harness(strategy=strategy, seed=0)
+    split = {"tp": {"tp": shoal.world_size()}, "pp": {"pp": shoal.world_size()}}
+    harness = shoal.Harness(strategy=strategy if strategy not in split else "ddp",
+                            parallel=split.get(strategy), seed=0,
+                            pipeline={"schedule": "gpipe", "microbatches": 1})
     start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model = gpt.build_model(**config, seed=0)
     n_params = gpt.count_parameters(model)
-    model, optimizer = harness.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    model, optimizer = harness.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                     loss_fn=gpt.loss)
+    pipeline = getattr(model, "stage", None)  # a PipelineModel: this rank's stage
     g = torch.Generator().manual_seed(harness.rank)
     samples, stamps = [], [time.perf_counter()]
     from torch.distributed.fsdp import FSDPModule
 
-    for unit in model.modules():  # FSDP gathers each block just before its forward
-        if isinstance(unit, FSDPModule) and unit is not model:
+    held = pipeline or model
+    for unit in held.modules():  # FSDP gathers each block just before its forward
+        if isinstance(unit, FSDPModule) and unit is not held:
             unit.register_forward_pre_hook(
-                lambda *_: samples.append(_state(model, optimizer)))
+                lambda *_: samples.append(_state(held, optimizer)))
     for _ in range(steps):
         ids = torch.randint(0, config["vocab_size"], (1, tokens + 1), generator=g)
-        loss = gpt.loss(model(ids[:, :-1]), ids[:, 1:])
-        samples.append(_state(model, optimizer))
-        harness.backward(loss)
-        samples.append(_state(model, optimizer))
+        if pipeline is not None:  # forward and backward of every stage in one call
+            model.step(ids[:, :-1], ids[:, 1:])
+        else:
+            loss = gpt.loss(model(ids[:, :-1]), ids[:, 1:])
+            samples.append(_state(held, optimizer))
+            harness.backward(loss)
+        samples.append(_state(held, optimizer))
         harness.step(optimizer)
-        samples.append(_state(model, optimizer))
+        samples.append(_state(held, optimizer))
         stamps.append(time.perf_counter())
     peak = max(samples, key=lambda s: sum(s.values()))
     return {"n_params": n_params, "peak": peak, "state": sum(peak.values()),
@@ -173,15 +190,16 @@ def main() -> None:
     worlds = [int(w) for w in args.worlds.split(",")]
     with _memory_returned():
         results = {(s, w): _job(s, w, config, args.steps, args.tokens)
-                   for w in worlds for s in strategies}
-    times: dict[str, list[float]] = {s: [] for s in strategies}
+                   for w in worlds for s in strategies if w > 1 or s not in ("tp", "pp")}
+    timed = [s for s in strategies if s in TIMED]
+    times: dict[str, list[float]] = {s: [] for s in timed}
     if args.repeats and 2 in worlds and "ddp" in strategies:
         rounds = []
         for r in range(args.repeats):
-            order = strategies[r % len(strategies):] + strategies[:r % len(strategies)]
+            order = timed[r % len(timed):] + timed[:r % len(timed)]
             rounds.append({s: _job(s, 2, config, args.steps, args.tokens)["step"]
                            for s in order})
-        for s in strategies:
+        for s in timed:
             times[s] = [x[s] for x in rounds]
             results[(s, 2)]["ratio"] = statistics.median(x[s] / x["ddp"] for x in rounds)
     psi = next(iter(results.values()))["n_params"]
@@ -193,6 +211,8 @@ def main() -> None:
           f"{'step vs ddp':>12}")
     for w in worlds:
         for s in strategies:
+            if (s, w) not in results:
+                continue
             r = results[(s, w)]
             ideal = ideal_bytes(s, psi, w)
             step = f"{r['ratio']:.2f}x" if "ratio" in r else ""

@@ -23,7 +23,6 @@ same four things, up to rounding:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -74,43 +73,36 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def train_module(model: torch.nn.Module, shard: Callable = _whole,
-                 reduce: Callable = torch.Tensor.item) -> Run:
+def train_module(model: torch.nn.Module) -> Run:
     """The steps every comparison takes: AdamW over ``batches()``, first logits and
-    gradients kept. ``shard(t)`` is this rank's part of a batch tensor; ``reduce(loss)``
-    the loss reported (data parallel: the mean over the dp ranks)."""
+    gradients kept."""
     optimizer = make_optimizer(model.parameters())
     logits, grads, losses = None, {}, []
     for x, y in batches():
-        out = model(shard(x))
-        value = loss(out, shard(y))
+        out = model(x)
+        value = loss(out, y)
         optimizer.zero_grad()
         value.backward()
         if logits is None:
             logits = out.detach().clone()
             grads = {n: full(p.grad) for n, p in model.named_parameters()}
         optimizer.step()
-        losses.append(reduce(value.detach()))
+        losses.append(value.item())
     return Run(logits, grads, losses, {k: full(v) for k, v in model.state_dict().items()})
 
 
-def train_pipeline(pipeline, shard: Callable = _whole,
-                   reduce: Callable = torch.Tensor.item) -> Run:
+def train_pipeline(pipeline) -> Run:
     """``train_module`` for a pipeline stage: its own gradients and weights, the loss from
     the last stage, no logits."""
     optimizer = make_optimizer(pipeline.parameters())
     grads, losses = {}, []
     for x, y in batches():
         optimizer.zero_grad()
-        value = pipeline.step(shard(x), shard(y))
+        value = pipeline.step(x, y)
         if not grads:
             grads = {n: full(p.grad) for n, p in pipeline.named_parameters()}
         optimizer.step()
-        losses.append(reduce(value))
+        losses.append(value.item())
     return Run(None, grads, losses, {k: full(v) for k, v in pipeline.state_dict().items()})
 
 

@@ -34,56 +34,73 @@ def _state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _fit(settings: dict) -> tuple[dict, dict]:
+# Every Trainer run of this file, by name: one job of 2 processes runs them all.
+RUNS = {
+    "none": {},
+    "topk 100%": {"compression": {"name": "topk", "ratio": 1.0}},
+    "fp16": {"compression": "fp16"},
+    "bf16": {"compression": "bf16"},
+    "topk": {"compression": {"name": "topk", "ratio": 0.1}},
+    "powersgd": {"compression": {"name": "powersgd", "warmup_steps": 2}},
+    "local_sgd": {"strategy": "local_sgd", "local_sgd": {"period": 4}},
+    "diloco bf16": {"strategy": "diloco", "diloco": {"period": 4, "outer_dtype": "bf16"}},
+}
+
+
+def _fit_all() -> dict[str, tuple[dict, dict]]:
     shoal.init("gloo")
-    model = make_model()
-    trainer = shoal.Trainer(model, make_optimizer(model), batch_size=BATCH, seed=SEED,
-                            progress=False, **settings)
-    metrics = trainer.fit(make_dataset(), max_steps=STEPS)
-    return _state(trainer.module), metrics
+    results = {}
+    for name, settings in RUNS.items():
+        model = make_model()
+        trainer = shoal.Trainer(model, make_optimizer(model), batch_size=BATCH, seed=SEED,
+                                progress=False, **settings)
+        metrics = trainer.fit(make_dataset(), max_steps=STEPS)
+        results[name] = (_state(trainer.module), metrics)
+    return results
 
 
-def test_topk_keeping_everything_is_plain_all_reduce():
-    plain = shoal.spawn(_fit, nprocs=2, args=({},))
-    topk = shoal.spawn(_fit, nprocs=2, args=({"compression": {"name": "topk", "ratio": 1.0}},))
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, tuple[dict, dict]]]:
+    return shoal.spawn(_fit_all, nprocs=2)
+
+
+def test_topk_keeping_everything_is_plain_all_reduce(runs):
     expected = reference_weights(global_batch=2 * BATCH, steps=STEPS)
     for rank in range(2):
-        assert max_rel_diff(plain[rank][0], expected) <= 1e-5
+        plain, topk = runs[rank]["none"][0], runs[rank]["topk 100%"][0]
+        assert max_rel_diff(plain, expected) <= 1e-5
         # Same sums in the same order: bit for bit.
-        for key, value in plain[rank][0].items():
-            assert torch.equal(topk[rank][0][key], value), (rank, key)
+        for key, value in plain.items():
+            assert torch.equal(topk[key], value), (rank, key)
 
 
 @pytest.mark.parametrize("name, tolerance", [("fp16", 2e-3), ("bf16", 2e-2)])
-def test_half_precision_all_reduce_matches_reference(name, tolerance):
-    results = shoal.spawn(_fit, nprocs=2, args=({"compression": name},))
+def test_half_precision_all_reduce_matches_reference(runs, name, tolerance):
     expected = reference_weights(global_batch=2 * BATCH, steps=STEPS)
-    for weights, metrics in results:
+    for result in runs:
+        weights, metrics = result[name]
         diff = max_rel_diff(weights, expected)
         assert diff <= tolerance, f"{name}: rel diff {diff:.2e}"
         assert metrics["comm_bytes_per_step"] == N_PARAMS * 2  # half of fp32's 908
 
 
-def test_bytes_per_step_are_counted_where_they_are_sent():
+def test_bytes_per_step_are_counted_where_they_are_sent(runs):
     # W=2: a ring all-reduce of S bytes sends S from each rank, an all-gather of S sends S.
-    cases = {
-        "none": ({}, N_PARAMS * 4),
+    expected = {
+        "none": N_PARAMS * 4,
         # 10 % of 227 entries: 22 values (4 bytes) and 22 int32 positions.
-        "topk": ({"compression": {"name": "topk", "ratio": 0.1}}, 22 * 8),
+        "topk": 22 * 8,
         # 2 plain steps, then per step: rank-1 factors of the 16x10 and 3x16 weights
         # (26 + 19 values) and the biases uncompressed (16 + 3).
-        "powersgd": ({"compression": {"name": "powersgd", "warmup_steps": 2}},
-                     (2 * N_PARAMS * 4 + 10 * (26 + 19 + 16 + 3) * 4) / STEPS),
+        "powersgd": (2 * N_PARAMS * 4 + 10 * (26 + 19 + 16 + 3) * 4) / STEPS,
         # Averaged weights every 4 steps: 3 all-reduces of 908 bytes in 12 steps.
-        "local_sgd": ({"strategy": "local_sgd", "local_sgd": {"period": 4}}, 3 * N_PARAMS * 4
-                      / STEPS),
-        "diloco bf16": ({"strategy": "diloco",
-                         "diloco": {"period": 4, "outer_dtype": "bf16"}},
-                        3 * N_PARAMS * 2 / STEPS),
+        "local_sgd": 3 * N_PARAMS * 4 / STEPS,
+        "diloco bf16": 3 * N_PARAMS * 2 / STEPS,
     }
-    for case, (settings, expected) in cases.items():
-        for _, metrics in shoal.spawn(_fit, nprocs=2, args=(settings,)):
-            assert metrics["comm_bytes_per_step"] == pytest.approx(expected, rel=1e-12), case
+    for result in runs:
+        for case, value in expected.items():
+            metrics = result[case][1]
+            assert metrics["comm_bytes_per_step"] == pytest.approx(value, rel=1e-12), case
             assert metrics["comm_wait_s_per_step"] >= 0
 
 

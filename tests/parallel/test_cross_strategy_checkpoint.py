@@ -93,7 +93,9 @@ def _two_processes(root: str) -> dict:
                                       root_path / "zero1_from_ddp"),
             "pp_saved": _save("ddp", root_path / "pp", parallel={"pp": 2}),
             "tp_from_ddp": _resume("ddp", root_path / "ddp_w1", root_path / "tp_from_ddp",
-                                   parallel={"tp": 2})}
+                                   parallel={"tp": 2}),
+            "pp_from_ddp": _resume("ddp", root_path / "ddp_w1", root_path / "pp_from_ddp",
+                                   parallel={"pp": 2})}
 
 
 def _save_at_one(root: str) -> dict:
@@ -146,6 +148,18 @@ def test_pipeline_checkpoint_loads_in_one_process(runs):
     assert _states_equal(resumed["loaded"]["model"], saved_model)
     assert _states_equal(resumed["loaded"]["optimizer"]["state"], saved_state)
     _continues_like_one_process(resumed, "pp=2 -> one process")
+
+
+def test_one_process_checkpoint_loads_into_a_pipeline(runs):
+    saved = runs["ddp_w1"]
+    stages = [result["pp_from_ddp"] for result in runs["two"]]
+    loaded = {k: v for stage in stages for k, v in stage["loaded"]["model"].items()}
+    state = {k: v for stage in stages for k, v in stage["loaded"]["optimizer"]["state"].items()}
+    assert _states_equal(loaded, saved["model"])
+    assert _states_equal(state, saved["optimizer"]["state"])
+    final = {k: v for stage in stages for k, v in stage["final"].items()}
+    _continues_like_one_process({"step": stages[0]["step"], "final": final},
+                                "one process -> pp=2")
 
 
 def test_one_process_checkpoint_loads_under_tensor_parallel(runs):

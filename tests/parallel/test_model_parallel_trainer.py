@@ -1,5 +1,5 @@
 """The Trainer with tensor and pipeline parallelism (trainer.parallel tp / pp, alone and with
-a sharded dp dimension) trains the small GPT of test_sharded to the losses, gradient norms
+a dp dimension) trains the small GPT of test_sharded to the losses, gradient norms
 and weights of one process on the global batch (AdamW, clipping, accumulation), with the
 tolerances stated there. Validation under a pipeline (a short last batch, padded) gives
 the one-process loss."""
@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.utils.data import TensorDataset
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import shoal
 from shoal.errors import UsageError
@@ -19,6 +21,7 @@ from tests.parallel.test_sharded import (
     ACCUMULATE,
     CLIP,
     LOSS_TOLERANCE,
+    MIXED_LOSS_TOLERANCE,
     NO_GRADIENT,
     NORM_TOLERANCE,
     SEED,
@@ -33,6 +36,7 @@ from tests.parallel.test_sharded import (
 GLOBAL_BATCH = 16  # test_sharded's reference: 2 ranks x 4 samples x 2 micro-batches
 TWO = {  # W=2: the whole batch on one dp rank
     "tp": {"parallel": {"tp": 2}},
+    "tp, user plan": {"parallel": {"tp": 2}, "tp_plan": "attention only"},
     "pp-gpipe": {"parallel": {"pp": 2}, "pipeline": {"schedule": "gpipe", "microbatches": 2}},
     "pp-1f1b+ac": {"parallel": {"pp": 2}, "activation_checkpointing": True},
 }
@@ -40,9 +44,16 @@ FOUR = {  # W=4: 2-D meshes; the strategy says how the dp ranks share the split 
     "dp x tp (ddp)": {"parallel": {"tp": 2}},
     "dp x tp (fsdp)": {"parallel": {"tp": 2}, "strategy": "fsdp"},
     "dp x pp (ddp)": {"parallel": {"pp": 2}, "pipeline": {"microbatches": 2}},
+    "dp x pp (fsdp)": {"parallel": {"pp": 2}, "strategy": "fsdp",
+                       "pipeline": {"microbatches": 2, "schedule": "gpipe"}},
     "dp x pp (zero2)": {"parallel": {"pp": 2}, "strategy": "zero2",
                         "pipeline": {"microbatches": 2}},
     "pp x tp": {"parallel": {"pp": 2, "tp": 2}, "pipeline": {"microbatches": 2}},
+}
+MIXED = {  # W=2, autocast: losses near fp32's (test_sharded's tolerance)
+    "tp bf16": {"parallel": {"tp": 2}, "precision": "bf16-mixed"},
+    "pp bf16": {"parallel": {"pp": 2}, "precision": "bf16-mixed",
+                "pipeline": {"schedule": "gpipe", "microbatches": 2}},
 }
 VALIDATION_SAMPLES = 7  # one batch of 8 short by one: padded for the pipeline
 
@@ -53,6 +64,9 @@ def _train(settings: dict) -> dict:
     trainer_model = make_model()
     dp = shoal.world_size() // (settings["parallel"].get("tp", 1) *
                                 settings["parallel"].get("pp", 1))
+    if settings.get("tp_plan"):  # a plan of the user's own: split attention, not the MLP
+        settings = {**settings, "tp_plan": {"blocks.*.attn.[qkv]": ColwiseParallel(),
+                                            "blocks.*.attn.proj": RowwiseParallel()}}
     trainer = shoal.Trainer(trainer_model, make_optimizer(trainer_model), loss_fn=gpt.loss,
                             batch_size=GLOBAL_BATCH // ACCUMULATE // dp,
                             accumulate_grad_batches=ACCUMULATE, seed=SEED, progress=False,
@@ -74,32 +88,46 @@ def _train(settings: dict) -> dict:
     losses = torch.stack(micro).view(STEPS, ACCUMULATE).mean(dim=1)
     torch.distributed.all_reduce(losses)  # every rank has its dp share's loss
     losses /= shoal.world_size()
+    split = sorted(n for n, p in trainer.state_model.named_parameters()
+                   if isinstance(p, DTensor) and p.placements[-1].is_shard())
     state = get_model_state_dict(trainer.state_model,
                                  options=StateDictOptions(full_state_dict=True))
-    x, y = make_dataset().tensors
-    val = TensorDataset(x[:VALIDATION_SAMPLES], y[:VALIDATION_SAMPLES])
-    return {"losses": losses.tolist(), "norms": norms, "val_loss_after": trainer.validate(val),
+    return {"losses": losses.tolist(), "norms": norms, "split": split,
+            "val_loss_after": trainer.validate(_validation_set())["val_loss"],
             "weights": {k: v.detach().clone() for k, v in state.items()}}
+
+
+def _validation_set() -> TensorDataset:
+    x, y = make_dataset().tensors
+    return TensorDataset(x[:VALIDATION_SAMPLES], y[:VALIDATION_SAMPLES])
 
 
 def _fresh_validation(settings: dict) -> float:
     model = make_model()
     trainer = shoal.Trainer(model, make_optimizer(model), loss_fn=gpt.loss, batch_size=8,
                             progress=False, **settings)
-    x, y = make_dataset().tensors
-    val = TensorDataset(x[:VALIDATION_SAMPLES], y[:VALIDATION_SAMPLES])
-    return trainer.validate(val)["val_loss"]
+    return trainer.validate(_validation_set())["val_loss"]
 
 
 def _worker(runs: dict) -> dict:
     shoal.init("gloo")
     results = {name: _train(settings) for name, settings in runs.items()}
     if shoal.world_size() == 2:
+        results.update({name: _train(settings) for name, settings in MIXED.items()})
         results["validation"] = _fresh_validation(TWO["pp-gpipe"])
         try:
             _fresh_validation({"parallel": {"pp": 2}, "precision": "fp16-mixed"})
         except UsageError as error:
             results["fp16 refused"] = str(error)
+        model = make_model()
+        trainer = shoal.Trainer(model, make_optimizer(model), loss_fn=gpt.loss, batch_size=8,
+                                progress=False, parallel={"tp": 2})
+        sharded = DataLoader(make_dataset(), batch_size=8, sampler=DistributedSampler(
+            make_dataset(), num_replicas=2, rank=shoal.rank()))
+        try:
+            trainer.fit(sharded, max_steps=1)
+        except UsageError as error:
+            results["loader refused"] = str(error)
     return results
 
 
@@ -129,8 +157,18 @@ def _check(results: list[dict], name: str) -> None:
     mine = {k: v for k, v in weights.items() if not k.endswith(NO_GRADIENT)}
     diff = max_rel_diff(mine, {k: expected["weights"][k] for k in mine})
     assert diff <= WEIGHT_TOLERANCE, f"{name}: weights differ by {diff:.2e}"
-    # The trained model validates alike on every rank (a pipeline's last stage shares it).
-    assert len({r[name]["val_loss_after"]["val_loss"] for r in results}) == 1, name
+    # The trained model's validation loss is the one-process model's, on every rank.
+    want = _reference_validation()
+    for result in results:
+        assert result[name]["val_loss_after"] == pytest.approx(want, rel=1e-4), name
+
+
+def _reference_validation() -> float:
+    model = make_model()
+    model.load_state_dict(reference()["weights"])
+    x, y = _validation_set().tensors
+    with torch.no_grad():
+        return gpt.loss(model(x), y).item()
 
 
 @pytest.mark.parametrize("name", TWO)
@@ -143,6 +181,13 @@ def test_two_dimensional_meshes_match_one(four, name):
     _check(four, name)
 
 
+def test_a_user_plan_splits_what_it_names(two):
+    for result in two:
+        split = result["tp, user plan"]["split"]
+        assert split and all(".attn." in name for name in split), split
+        assert any(".mlp." in name for name in result["tp"]["split"])
+
+
 def test_pipeline_validation_pads_the_short_batch(two):
     x, y = make_dataset().tensors
     with torch.no_grad():
@@ -151,5 +196,20 @@ def test_pipeline_validation_pads_the_short_batch(two):
         assert result["validation"] == pytest.approx(expected.item(), rel=1e-6)
 
 
-def test_pipeline_refuses_fp16(two):
-    assert all("use 'bf16-mixed' with pp > 1" in r["fp16 refused"] for r in two)
+@pytest.mark.parametrize("name", MIXED)
+def test_mixed_precision_stays_close(two, name):
+    expected = reference()["losses"]
+    for result in two:
+        for step, (got, want) in enumerate(zip(result[name]["losses"], expected, strict=True)):
+            assert abs(got - want) <= MIXED_LOSS_TOLERANCE * want, (name, step, got, want)
+
+
+def test_a_loader_split_by_the_user_is_refused(two):
+    # Its samples would differ between the tp ranks, which must read the same batches.
+    assert all("DistributedSampler: pass a map-style Dataset" in r["loader refused"]
+               for r in two)
+
+
+def test_model_parallelism_refuses_fp16(two):
+    assert all("'fp16-mixed' cannot be combined with tensor or pipeline" in r["fp16 refused"]
+               for r in two)

@@ -111,7 +111,10 @@ def test_config_rejects_model_parallel_local_strategies():
     ({"parallel": {"pp": 2}, "batch_size": 6}, "microbatches 4 must divide batch_size 6"),
     ({"parallel": {"pp": 4}, "pipeline": {"microbatches": 2}, "batch_size": 8},
      "'1f1b' needs microbatches >= stages: got 2 for pp 4"),
-    ({"parallel": {"pp": 2}, "precision": "fp16-mixed"}, "use 'bf16-mixed' with pp > 1"),
+    ({"parallel": {"pp": 2}, "precision": "fp16-mixed"}, "use 'bf16-mixed'"),
+    ({"parallel": {"tp": 2}, "precision": "fp16-mixed"}, "use 'bf16-mixed'"),
+    ({"parallel": {"tp": 2}, "compression": "powersgd"}, "does not use: unset them"),
+    ({"parallel": {"tp": 2}, "ddp": {"static_graph": True}}, "does not use: unset them"),
 ])
 def test_config_rejects_what_model_parallelism_cannot_do(settings, expected):
     assert expected in _error(lambda: shoal.TrainerConfig.build(**settings))

@@ -29,12 +29,12 @@ def total_norm(parameters: Iterable[nn.Parameter],
     squares = []
     device = None
     for param in parameters:
+        device = param.device  # a DTensor's is its local tensor's
         if param.grad is None:
             continue
         norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        device = norm.device
         squares.append(norm.square())
     total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if pp_group is not None:
@@ -46,8 +46,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
                     pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale the gradients so that their ``total_norm`` is at most ``max_norm`` (as torch's
     ``clip_grad_norm_``, same epsilon); returns the norm before clipping."""
-    params = [p for p in parameters if p.grad is not None]
+    params = list(parameters)
     norm = total_norm(params, pp_group)
+    params = [p for p in params if p.grad is not None]
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for param in params:
         param.grad.mul_(coefficient)

@@ -130,6 +130,9 @@ class PipelineModel:
         self.num_stages = pp_mesh.size()
         self._schedule = schedule
         self._loss = loss
+        # torch sets the stages up again when training and evaluation alternate; within
+        # an evaluation their buffers keep the first batch's shape.
+        self._eval_batch: int | None = None
         self._group = pp_mesh.get_group()
         self._device = _device(pp_mesh)
 
@@ -148,6 +151,7 @@ class PipelineModel:
         ``(loss * scale).backward()`` would). Returns the batch's mean loss (detached,
         unscaled) on every rank."""
         self._check_batch(inputs, targets)
+        self._eval_batch = None
         args = (inputs,) if self.is_first else ()
         self._loss.scale, self._loss.losses = scale, []
         if self.is_last:
@@ -164,14 +168,19 @@ class PipelineModel:
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward only: the model's outputs for ``inputs`` on the last stage, None on the
-        others (the schedule computes the loss too: it needs ``targets``). The batch must
-        have the training batch's shape (the stages exchange buffers of that size): pad a
-        short one and ignore the padding's outputs."""
+        others (the schedule computes the loss too: it needs ``targets``). The stages
+        exchange buffers of one shape from the first evaluation after training on (that
+        batch rounded up to whole microbatches): a shorter batch is padded with copies of
+        its last sample, whose outputs are dropped."""
+        n, micro = inputs.shape[0], self.config.microbatches
+        self._eval_batch = self._eval_batch or -(-n // micro) * micro
+        inputs = _padded(inputs, self._eval_batch)
+        targets = _padded(targets, self._eval_batch)
         self._check_batch(inputs, targets)
         args = (inputs,) if self.is_first else ()
         self._loss.losses = []
         outputs = self._schedule.eval(*args, target=targets if self.is_last else None)
-        return outputs if self.is_last else None
+        return outputs[:n] if self.is_last else None
 
     def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         batch, micro = inputs.shape[0], self.config.microbatches
@@ -259,6 +268,14 @@ def apply_pp(model: nn.Module, pp_mesh: DeviceMesh, config: PipelineConfig,
     schedule = _SCHEDULES[config.schedule](pipeline_stage, n_microbatches=config.microbatches,
                                            loss_fn=loss, scale_grads=False)
     return PipelineModel(stage, module, schedule, loss, pp_mesh, config, blocks)
+
+
+def _padded(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """``tensor`` with copies of its last row appended up to ``size`` rows."""
+    missing = size - tensor.shape[0]
+    if missing <= 0:
+        return tensor
+    return torch.cat([tensor, tensor[-1:].expand(missing, *tensor.shape[1:])])
 
 
 def placed_in_stage(name: str) -> bool:

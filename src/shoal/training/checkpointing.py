@@ -124,6 +124,13 @@ class Checkpointing:
             t.lr_scheduler.load_state_dict(shared["lr_scheduler"])
         if own is not None:
             rng.restore(own["rng"])
+        if t.harness.dims.tp_enabled:
+            # A rank's saved streams may come from another layout: the tp ranks of a dp
+            # rank must draw the same numbers (replicated activations, dropout).
+            states = [rng.capture()]
+            dist.broadcast_object_list(states, group=t.harness.mesh["tp"].get_group(),
+                                       group_src=0)
+            rng.restore(states[0])
         self._restore_comm(own, meta)
         t.global_step, t.epoch = meta["global_step"], meta["epoch"]
         self.saved_step = t.global_step
@@ -184,13 +191,14 @@ class Checkpointing:
         if global_batch % (world * batch):
             raise UsageError(
                 f"the checkpoint's global batch is {global_batch} samples, which "
-                f"{world} processes x batch_size {batch} cannot make up; use a batch_size "
-                f"that divides {global_batch // world if global_batch % world == 0 else '?'}"
-                f" or a world size that divides {global_batch // batch}")
+                f"{world} data-parallel ranks x batch_size {batch} cannot make up; use a "
+                f"batch_size that divides "
+                f"{global_batch // world if global_batch % world == 0 else '?'} or a "
+                f"data-parallel degree that divides {global_batch // batch}")
         t.accumulate = global_batch // (world * batch)
-        _say(t, f"world size {world} differs from the checkpoint's {meta['world_size']}: "
-                f"accumulating {t.accumulate} micro-batches to keep the global batch of "
-                f"{global_batch}")
+        _say(t, f"{world} data-parallel ranks x batch_size {batch} differ from the "
+                f"checkpoint's layout ({meta['world_size']} processes): accumulating "
+                f"{t.accumulate} micro-batches to keep the global batch of {global_batch}")
 
 
 @contextlib.contextmanager

@@ -65,7 +65,8 @@ class TrainerConfig(BaseModel):
     precision: Precision = "32"
     """'32' (full), 'bf16-mixed' (bf16 autocast), 'fp16-mixed' (fp16 autocast + grad scaler)."""
     batch_size: int = Field(32, gt=0)
-    """Samples per process per micro-batch; the global batch is batch_size x world size x K."""
+    """Samples per data-parallel rank per micro-batch; the global batch is batch_size x dp x
+    K (dp: the world size unless tensor or pipeline parallelism split the model)."""
     accumulate_grad_batches: int = Field(1, gt=0)
     """K: micro-batches per optimizer step; gradients are all-reduced only on the last."""
     clip_grad_norm: float | None = Field(None, gt=0)
@@ -112,6 +113,16 @@ class TrainerConfig(BaseModel):
         if self.nonfinite is not None and local:
             raise ValueError(f"nonfinite needs the same gradients on every rank; with "
                              f"strategy '{self.strategy}' each rank has its own (unset it)")
+        if self.parallel.model_parallel and (name != "none" or self.ddp != DDPConfig()):
+            raise ValueError("compression and the ddp settings apply to "
+                             "DistributedDataParallel, which a model split by tensor or "
+                             "pipeline parallelism does not use: unset them, or set tp and "
+                             "pp to 1")
+        if self.parallel.model_parallel and self.precision == "fp16-mixed":
+            # torch's scalers cannot unscale a mix of DTensor and plain gradients, and the
+            # pipeline schedule runs backward without the scaler's loss scaling.
+            raise ValueError("precision 'fp16-mixed' cannot be combined with tensor or "
+                             "pipeline parallelism: use 'bf16-mixed' (no gradient scaler)")
         if self.strategy in ("zero1", "local_sgd", "diloco") and self.parallel.model_parallel:
             raise ValueError(f"strategy '{self.strategy}' cannot be combined with tensor or "
                              "pipeline parallelism (set tp and pp to 1, or use strategy "
@@ -130,9 +141,6 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"pipeline schedule '1f1b' needs microbatches >= stages: got "
                              f"{micro} for pp {pp}; raise pipeline.microbatches to {pp} or "
                              "use schedule 'gpipe'")
-        if self.precision == "fp16-mixed":
-            raise ValueError("precision 'fp16-mixed' needs a gradient scaler that the "
-                             "pipeline schedule does not apply: use 'bf16-mixed' with pp > 1")
         return self
 
     @model_validator(mode="after")

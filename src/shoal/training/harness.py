@@ -25,9 +25,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
-from shoal.data.sharding import shard_dataloader
+from shoal.data.sampler import ElasticSampler
+from shoal.data.sharding import EvalShardSampler, shard_dataloader
 from shoal.errors import UsageError
 from shoal.parallel.activation_checkpoint import apply_activation_checkpointing
 from shoal.parallel.averaging import (
@@ -102,8 +103,12 @@ class Harness:
         options = {"ddp": ddp, "compression": compression, "local_sgd": local_sgd,
                    "diloco": diloco, "fsdp": fsdp, "parallel": parallel, "blocks": blocks,
                    "tensor_parallel": tensor_parallel, "pipeline": pipeline}
+        # The Harness has no batch size of its own (a pipeline checks each batch it gets):
+        # one that the microbatches divide passes the config's check.
+        micro = PipelineConfig.model_validate(pipeline or {}).microbatches
         config = TrainerConfig.build(strategy=strategy, precision=precision, backend=backend,
-                                     seed=seed, activation_checkpointing=activation_checkpointing,
+                                     batch_size=micro, seed=seed,
+                                     activation_checkpointing=activation_checkpointing,
                                      **{k: v for k, v in options.items() if v is not None})
         self.config = config
         self.env = rt.init(config.backend)
@@ -113,9 +118,7 @@ class Harness:
         self.tp_plan = tp_plan  # a user's tensor-parallel plan, instead of the ready one
         self.mesh: DeviceMesh | None = None  # built when a strategy needs one
         self.device = rt.device()
-        # Gradients as DTensors: the scaler that checks every rank's part for overflow.
-        self.precision = Precision(config.precision, self.device,
-                                   sharded=self.sharded or self.dims.model_parallel)
+        self.precision = Precision(config.precision, self.device, sharded=self.sharded)
         self.traffic = Traffic()
         self.comm = None  # the compression hook's or the weight averaging's state
         self.last_comm = StepComm(0.0, 0.0, 0.0)  # what the last step sent and waited for
@@ -282,11 +285,22 @@ class Harness:
         """A loader over this rank's share of ``data`` (see ``shard_dataloader``): shares
         go to the dp ranks; the tp and pp ranks of one dp rank read the same batches.
         Pipeline training needs full batches: an epoch's incomplete last one is dropped."""
-        return shard_dataloader(data, world_size=self.dims.dp, rank=self.dp_rank,
-                                batch_size=batch_size, shuffle=shuffle and not evaluation,
-                                seed=self.config.seed, evaluation=evaluation,
-                                num_workers=num_workers,
-                                drop_last=self.dims.pp_enabled and not evaluation)
+        loader = shard_dataloader(data, world_size=self.dims.dp, rank=self.dp_rank,
+                                  batch_size=batch_size, shuffle=shuffle and not evaluation,
+                                  seed=self.config.seed, evaluation=evaluation,
+                                  num_workers=num_workers,
+                                  drop_last=self.dims.pp_enabled and not evaluation)
+        if self.model_parallel and not isinstance(loader.sampler,
+                                                  (ElasticSampler, EvalShardSampler)):
+            custom = loader.batch_sampler is not None \
+                and type(loader.batch_sampler) is not BatchSampler
+            kind = type(loader.dataset if isinstance(loader.dataset, IterableDataset) else
+                        loader.batch_sampler if custom else loader.sampler).__name__
+            raise UsageError(f"with tensor or pipeline parallelism shoal splits the data "
+                             f"itself (the tp and pp ranks of a dp rank must read the same "
+                             f"batches), which it cannot do for this loader's {kind}: pass "
+                             "a map-style Dataset, or a DataLoader with a plain sampler")
+        return loader
 
     def to_device(self, batch: Any) -> Any:
         return move_to_device(batch, self.device)
@@ -294,6 +308,17 @@ class Harness:
     def autocast(self) -> contextlib.AbstractContextManager:
         """Run the forward pass in the configured precision."""
         return self.precision.autocast()
+
+    def pipeline_step(self, pipeline: PipelineModel, inputs: torch.Tensor,
+                      targets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """pp > 1: forward and backward of one batch through every stage, in the configured
+        precision, instead of ``model(x)`` and ``backward``. Adds the gradients of ``scale``
+        times the batch's mean loss; returns that mean loss on every rank."""
+        with self.autocast():
+            loss = pipeline.step(inputs, targets, scale)
+        if hasattr(self.comm, "after_backward"):  # dp traffic, as one backward
+            self.comm.after_backward()
+        return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass, with loss scaling under fp16."""

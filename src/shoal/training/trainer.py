@@ -91,15 +91,6 @@ def _lockstep(loader: DataLoader, device: torch.device) -> Iterator[tuple[Any, b
         yield (batch, True) if batch is not None else (spare, False)
 
 
-def _padded(inputs: torch.Tensor, size: int) -> torch.Tensor:
-    """``inputs`` with copies of its last row appended up to ``size`` rows: a pipeline
-    runs batches of one shape only."""
-    missing = size - inputs.shape[0]
-    if missing <= 0:
-        return inputs
-    return torch.cat([inputs, inputs[-1:].expand(missing, *inputs.shape[1:])])
-
-
 def _rescale_gradients(model: nn.Module, factor: float) -> None:
     for param in model.parameters():
         if param.grad is not None:
@@ -113,17 +104,20 @@ class Trainer:
     accumulate_grad_batches, clip_grad_norm, epochs, max_steps, seed, ...).
     ``loss_fn(outputs, targets)`` must average over the batch; it defaults to cross-entropy.
     ``lr_scheduler`` is a scheduler, or a function of the optimizer returning one; it is
-    stepped after every optimizer step.
+    stepped after every optimizer step. ``tp_plan`` (module-name pattern -> torch
+    ParallelStyle) replaces the ready tensor-parallel plan when ``parallel.tp`` > 1.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 loss_fn: LossFn | None = None, lr_scheduler: Any = None, **settings: Any):
+                 loss_fn: LossFn | None = None, lr_scheduler: Any = None,
+                 tp_plan: dict | None = None, **settings: Any):
         self.config = TrainerConfig.build(**settings)
         c = self.config
         self.harness = Harness(c.strategy, c.precision, backend=c.backend, ddp=c.ddp,
                                compression=c.compression, local_sgd=c.local_sgd,
                                diloco=c.diloco, fsdp=c.fsdp, parallel=c.parallel,
                                tensor_parallel=c.tensor_parallel, pipeline=c.pipeline,
+                               tp_plan=tp_plan,
                                activation_checkpointing=c.activation_checkpointing,
                                blocks=c.blocks, seed=c.seed)
         # Each dp rank gets its own stream of random numbers (dropout); its tp and pp ranks
@@ -272,9 +266,8 @@ class Trainer:
                 step_loss, step_samples, step_tokens = 0, 0, 0
             inputs, targets = _unpack(h.to_device(batch))
             if self.pipeline:  # forward and backward through every stage in one call
-                with h.autocast():
-                    loss = model.step(inputs, targets,
-                                      scale=self._weight(window, window_samples, batch))
+                loss = h.pipeline_step(model, inputs, targets,
+                                       scale=self._weight(window, window_samples, batch))
             else:
                 with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
                     with h.autocast():
@@ -418,9 +411,7 @@ class Trainer:
             n = targets.shape[0]
             with h.autocast():
                 if self.pipeline:  # outputs on the last stage only
-                    size = self.config.batch_size
-                    outputs = self.model.evaluate(_padded(inputs, size), _padded(targets, size))
-                    outputs = outputs[:n] if outputs is not None else None
+                    outputs = self.model.evaluate(inputs, targets)
                 else:
                     outputs = module(inputs)
             if not counts or outputs is None:
