@@ -139,15 +139,23 @@ def test_a_short_training_lowers_the_loss():
     assert val_loss() < start - 1.5
 
 
-def test_example_config_runs_on_two_processes(tmp_path):
-    run_dir = tmp_path / "gpt"
+def _train_example(run_dir, *overrides: str) -> tuple[dict, list[dict]]:
     out = run_shoal("train", "--config", "examples/gpt.yaml", "--nproc-per-node", "2",
                     "trainer.max_steps=3", "trainer.progress=false",
-                    "model.args={seq_len: 32, n_layer: 1, n_head: 2, d_model: 32}",
+                    "model.args={seq_len: 32, n_layer: 2, n_head: 2, d_model: 32}",
                     "data.args={seq_len: 32, max_bytes: 100000}", f"run.dir={run_dir}",
-                    timeout=120)
+                    *overrides, timeout=120)
     assert out.returncode == 0, out.stderr
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["global_step"] == 3 and math.isfinite(metrics["val_loss"])
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((run_dir / "metrics.json").read_text()), steps
+
+
+def test_example_config_runs_on_two_processes_replicated_or_as_a_pipeline(tmp_path):
+    metrics, steps = _train_example(tmp_path / "ddp")
+    assert metrics["global_step"] == 3 and math.isfinite(metrics["val_loss"])
     assert any(r.get("tokens_per_s", 0) > 0 for r in steps if r["type"] == "step")
+    # The same run as two pipeline stages: one dp rank takes the whole global batch.
+    split, _ = _train_example(tmp_path / "pp", "trainer.parallel.pp=2",
+                              "trainer.batch_size=64")
+    for key in ("train_loss", "val_loss"):
+        assert split[key] == pytest.approx(metrics[key], rel=1e-5), key
