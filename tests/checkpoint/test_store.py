@@ -38,6 +38,14 @@ def test_round_trip_and_keep_last(store, tmp_path):
     assert [p.name for p in store._step_dirs()] == ["step_000000030", "step_000000040"]
 
 
+def test_skipped_tensors_are_not_read(store):
+    # A pipeline stage skips the other stages' tensors: they come back as None.
+    shared, own, _ = store.load(store.latest(), skip=lambda key: key.startswith("shared.model."))
+    assert shared["model"] and all(v is None for v in shared["model"].values())
+    assert torch.equal(shared["big"], torch.arange(4096.0))
+    assert torch.equal(own["own"], torch.tensor([30]))
+
+
 def _newest_shard(store) -> object:
     return max((store.root / "step_000000030").glob("*.distcp"), key=lambda p: p.stat().st_size)
 

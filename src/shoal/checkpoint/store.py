@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,14 +187,15 @@ class CheckpointStore:
 
     # -- loading ----------------------------------------------------------------------------
 
-    def load(self, path: str | os.PathLike, like: dict[str, torch.Tensor] | None = None
-             ) -> tuple[dict, dict | None, dict]:
+    def load(self, path: str | os.PathLike, like: dict[str, torch.Tensor] | None = None,
+             skip: Callable[[str], bool] | None = None) -> tuple[dict, dict | None, dict]:
         """(shared state, this rank's own state or None, meta) of the checkpoint at ``path``.
 
         Collective. Tensors are allocated from the checkpoint's own metadata and filled by
         DCP; nothing is unpickled. ``like`` maps keys to tensors to load into instead, of
         the same global shape and dtype: DTensors get only this rank's shard, whatever the
-        layout the checkpoint was saved in.
+        layout the checkpoint was saved in. Tensors whose key ``skip`` accepts are not read
+        (None in the state): another pipeline stage's, say.
         """
         path = Path(path)
         problem = self.problem(path)
@@ -208,6 +210,8 @@ class CheckpointStore:
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         tensors = {}
         for key in keys:
+            if skip is not None and skip(key):
+                continue
             entry = stored.get(key)
             if not isinstance(entry, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint {path}: tensor {key!r} is missing")

@@ -43,12 +43,13 @@ def split(obj: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
 
 
 def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Rebuild the nested state from ``split``'s output."""
+    """Rebuild the nested state from ``split``'s output (a tensor not in ``tensors`` is
+    None)."""
     if isinstance(skeleton, list):
         return [join(v, tensors) for v in skeleton]
     if isinstance(skeleton, dict):
         if _TENSOR in skeleton:
-            return tensors[skeleton[_TENSOR]]
+            return tensors.get(skeleton[_TENSOR])
         if _TUPLE in skeleton:
             return tuple(join(v, tensors) for v in skeleton[_TUPLE])
         if _FLOAT in skeleton:

@@ -17,7 +17,7 @@ import contextlib
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,9 +110,11 @@ class Checkpointing:
             _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
             return 0
         split = t.harness.sharded or t.harness.model_parallel
-        shared, own, meta = self.store.load(path, like=self._layout() if split else None)
-        replicas = self._replicas(path, shared, own, meta)
         live = get_model_state_dict(t.state_model)
+        others = _other_stages(live) if t.harness.dims.pp_enabled else None
+        shared, own, meta = self.store.load(path, like=self._layout() if split else None,
+                                            skip=others)
+        replicas = self._replicas(path, shared, own, meta)
         model_state, optimizer_state = replicas["model"], replicas["optimizer"]
         if t.harness.dims.pp_enabled:  # this stage's part of the whole model's state
             model_state, optimizer_state = _stage_part(model_state, optimizer_state, live)
@@ -257,6 +259,20 @@ def _finite(t: Trainer) -> bool:
     flag = torch.tensor([int(finite)], device=t.harness.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _other_stages(live: dict) -> Callable[[str], bool]:
+    """Whether a checkpoint key holds another pipeline stage's parameter or its optimizer
+    state (this stage's parameters are ``live``): such tensors are not read."""
+    def other(key: str) -> bool:
+        if key.startswith("shared.model."):
+            name = key.removeprefix("shared.model.")
+        elif key.startswith("shared.optimizer.state."):  # <name>.<state key>
+            name = key.removeprefix("shared.optimizer.state.").rsplit(".", 1)[0]
+        else:
+            return False
+        return name not in live and placed_in_stage(name)
+    return other
 
 
 def _stage_part(model_state: dict, optimizer_state: dict, live: dict) -> tuple[dict, dict]:
