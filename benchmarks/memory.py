@@ -22,7 +22,8 @@ Not sampled: inside backward, FSDP holds one block's gathered
 parameters and whole gradients for a moment (here a block is 1/7 of the model). Peak RSS
 is each rank's ru_maxrss (the largest over ranks); "over start" subtracts the process's
 size once torch is loaded and the process group is up. It includes DDP's gradient buckets,
-activations, and the whole copy of the model that every rank builds before sharding it.
+activations, and the whole copy of the model that every rank builds before sharding it
+(unless ``--meta``); "setup" is the peak until the model is set up.
 
 Step time: the median step at W=2 over ``--repeats`` interleaved rounds of fresh jobs
 (order rotating; glibc's allocator left as it is, unlike for the memory runs, see
@@ -30,7 +31,7 @@ Step time: the median step at W=2 over ``--repeats`` interleaved rounds of fresh
 2-core machine runs 4 processes on 2 cores: fine for memory, meaningless for time (not
 shown). A measurement, not a test: exits 0.
 
-    python benchmarks/memory.py [--params 50e6] [--worlds 1,2,4] [--repeats 3]
+    python benchmarks/memory.py [--params 50e6] [--worlds 1,2,4] [--repeats 3] [--meta]
 """
 
 # ruff: noqa: E402
@@ -96,17 +97,18 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
             "optimizer": _optimizer_bytes(optimizer)}
 
 
-def run(strategy: str, config: dict, steps: int, tokens: int) -> dict:
+def run(strategy: str, config: dict, steps: int, tokens: int, device: str = "cpu") -> dict:
     """One rank of one job: memory figures and step times."""
     split = {"tp": {"tp": shoal.world_size()}, "pp": {"pp": shoal.world_size()}}
     harness = shoal.Harness(strategy=strategy if strategy not in split else "ddp",
                             parallel=split.get(strategy), seed=0,
                             pipeline={"schedule": "gpipe", "microbatches": 1})
     start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    model = gpt.build_model(**config, seed=0)
+    model = gpt.build_model(**config, seed=0, device=device)
     n_params = gpt.count_parameters(model)
     model, optimizer = harness.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                      loss_fn=gpt.loss)
+    setup_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pipeline = getattr(model, "stage", None)  # a PipelineModel: this rank's stage
     g = torch.Generator().manual_seed(harness.rank)
     samples, stamps = [], [time.perf_counter()]
@@ -136,7 +138,7 @@ def run(strategy: str, config: dict, steps: int, tokens: int) -> dict:
             "params": samples[-1]["params"],
             "gathered": max(s["gathered"] for s in samples),
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "start_rss": start_rss,
+            "start_rss": start_rss, "setup_rss": setup_rss,
             # the first step also allocates the optimizer state: left out of the time
             "step": statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:],
                                                             strict=False))}
@@ -162,11 +164,13 @@ def _memory_returned() -> None:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = before
 
 
-def _job(strategy: str, world: int, config: dict, steps: int, tokens: int) -> dict:
-    ranks = shoal.spawn(run, nprocs=world, args=(strategy, config, steps, tokens))
+def _job(strategy: str, world: int, config: dict, steps: int, tokens: int,
+         device: str = "cpu") -> dict:
+    ranks = shoal.spawn(run, nprocs=world, args=(strategy, config, steps, tokens, device))
     worst = max(ranks, key=lambda r: r["state"])
     return {**worst, "rss": max(r["rss"] for r in ranks),
             "rss_over_start": max(r["rss"] - r["start_rss"] for r in ranks),
+            "setup_over_start": max(r["setup_rss"] - r["start_rss"] for r in ranks),
             "step": max(r["step"] for r in ranks)}
 
 
@@ -182,6 +186,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per process per step")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timing rounds at W=2 (0: memory only)")
+    parser.add_argument("--meta", action="store_true",
+                        help="build the model on the meta device: each rank allocates only "
+                             "its part (the memory runs only)")
     args = parser.parse_args()
     shape = gpt.config_for_parameters(int(args.params), d_model=args.d_model,
                                       n_head=args.n_head, seq_len=max(args.tokens, 16))
@@ -189,7 +196,8 @@ def main() -> None:
     strategies = args.strategies.split(",")
     worlds = [int(w) for w in args.worlds.split(",")]
     with _memory_returned():
-        results = {(s, w): _job(s, w, config, args.steps, args.tokens)
+        results = {(s, w): _job(s, w, config, args.steps, args.tokens,
+                                "meta" if args.meta else "cpu")
                    for w in worlds for s in strategies if w > 1 or s not in ("tp", "pp")}
     timed = [s for s in strategies if s in TIMED]
     times: dict[str, list[float]] = {s: [] for s in timed}
@@ -208,7 +216,7 @@ def main() -> None:
           "gloo on CPU; MB = 2^20 bytes, per rank (the largest rank)")
     print(f"{'strategy':<9}{'W':>2} {'params':>8} {'gathered':>9} {'grads':>8} {'optim':>8} "
           f"{'state':>8} {'ideal':>8} {'ratio':>6} {'peak RSS':>9} {'over start':>11} "
-          f"{'step vs ddp':>12}")
+          f"{'setup':>6} {'step vs ddp':>12}")
     for w in worlds:
         for s in strategies:
             if (s, w) not in results:
@@ -219,13 +227,16 @@ def main() -> None:
             print(f"{s:<9}{w:>2} {r['params'] / MB:>8.0f} {r['gathered'] / MB:>9.0f} "
                   f"{r['grads'] / MB:>8.0f} {r['optimizer'] / MB:>8.0f} {r['state'] / MB:>8.0f} "
                   f"{ideal / MB:>8.0f} {r['state'] / ideal:>6.2f} {r['rss'] / MB:>9.0f} "
-                  f"{r['rss_over_start'] / MB:>11.0f} {step:>12}")
+                  f"{r['rss_over_start'] / MB:>11.0f} {r['setup_over_start'] / MB:>6.0f} "
+                  f"{step:>12}")
     if any(times.values()):
         print(f"step time at W=2 (median over {len(times['ddp'])} interleaved rounds, "
               "seconds): " + ", ".join(f"{s} {statistics.median(t):.2f}"
                                        for s, t in times.items()))
     print("params: shards kept between steps; gathered: parameters FSDP held whole at once "
-          "(max); grads, optim: max over the step; state: max over the step of their sum.")
+          "(max); grads, optim: max over the step; state: max over the step of their sum; "
+          "setup: peak RSS over start until the model is set up (built, split, "
+          f"initialised{', on the meta device' if args.meta else ''}).")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ stages and in two shardings at once.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -126,23 +127,42 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.seed = 0
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """GPT-2's init: N(0, 0.02) weights, zero biases, unit norms; the projections into
-        the residual stream scaled by 1/sqrt(2 n_layer), so its variance does not grow with
-        depth. Callable again after ``to_empty`` (models built on the meta device)."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = residual_std if name.endswith(("attn.proj", "mlp.proj")) else 0.02
-                nn.init.normal_(module.weight, std=std, generator=generator)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter with ``init_parameter`` (``seed`` replaces
+        ``self.seed``). Callable again after ``to_empty``."""
+        self.seed = self.seed if seed is None else seed
+        for name, param in self.named_parameters():
+            self.init_parameter(name, param)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill ``tensor`` with the initial value of the parameter ``name``, whole.
+
+        GPT-2's init: N(0, 0.02) weights, zero biases, unit norms; the projections into the
+        residual stream scaled by 1/sqrt(2 n_layer), so its variance does not grow with
+        depth. Each weight draws from its own generator, seeded by (seed, name): the value
+        does not depend on which other parameters exist or in which order they are made,
+        so a rank holding a piece of the model (a shard, a pipeline stage) can compute
+        the whole parameter and keep its piece (``shoal.Harness`` does, for a model built
+        on the meta device).
+        """
+        if tensor.is_meta:
+            return  # nothing to fill yet: see build_model(device="meta")
+        if name.endswith("bias"):
+            tensor.zero_()
+        elif name == "norm.weight" or name.endswith((".norm1.weight", ".norm2.weight")):
+            tensor.fill_(1.0)
+        else:
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) \
+                if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else 0.02
+            # Drawn on the CPU: the same values whatever device the model is on.
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
+            tensor.copy_(torch.empty(tensor.shape, dtype=tensor.dtype)
+                         .normal_(0.0, std, generator=generator))
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token plus position embeddings: (B, T) ids to (B, T, d_model)."""
@@ -168,18 +188,21 @@ class GPT(nn.Module):
 
 def build_model(vocab_size: int = 256, seq_len: int = 128, n_layer: int = 4, n_head: int = 4,
                 d_model: int = 128, mlp_ratio: int = 4, dropout: float = 0.0,
-                seed: int = 0) -> GPT:
+                seed: int = 0, device: str = "cpu") -> GPT:
     """A GPT whose weights depend on ``seed`` only; the global RNG is left untouched.
 
-    Built on the meta device and initialised once from a private generator, which also
-    saves initialising a large model twice.
+    Built on the meta device and initialised once from private generators, which also
+    saves initialising a large model twice. ``device="meta"``: left there, to be split
+    over ranks before its weights exist (``shoal.Harness`` initialises each rank's part).
     """
     config = GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head,
                        d_model=d_model, mlp_ratio=mlp_ratio, dropout=dropout)
     with torch.device("meta"):
         model = GPT(config)
-    model.to_empty(device="cpu")
-    model.init_weights(torch.Generator().manual_seed(seed))
+    model.seed = seed
+    if device != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
     return model
 
 

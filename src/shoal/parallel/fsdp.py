@@ -75,7 +75,8 @@ def broadcast_from_first(model: nn.Module, group: dist.ProcessGroup | None = Non
     with torch.no_grad():
         for tensor in itertools.chain(model.parameters(), model.buffers()):
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            dist.broadcast(local, src=first, group=group)
+            if not local.is_meta:  # meta: no values yet (see shoal.parallel.materialize)
+                dist.broadcast(local, src=first, group=group)
 
 
 def parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:

@@ -49,6 +49,7 @@ from shoal.parallel.fsdp import (
     parameter_names,
 )
 from shoal.parallel.grad_norm import clip_grad_norm_, total_norm
+from shoal.parallel.materialize import Init, initializer, materialize, on_meta
 from shoal.parallel.pipeline_parallel import PipelineConfig, PipelineModel, apply_pp
 from shoal.parallel.replicate import ReplicateTraffic, apply_replicate
 from shoal.parallel.tensor_parallel import TensorParallelConfig, apply_tp
@@ -166,11 +167,24 @@ class Harness:
         its ``step(inputs, targets)``, which runs forward and backward through every stage
         and needs ``loss_fn(outputs, targets)`` (a microbatch's mean loss); ``optimizer``
         keeps only this stage's parameters.
+
+        A model built on the meta device (with an ``init_parameter(name, tensor)``, see
+        ``shoal.parallel.materialize``) gets storage only for this rank's part, after it is
+        split (zero2, fsdp, tp, pp), or whole first (the replicating strategies); its
+        initial values are those of the whole model, and ``optimizer`` follows them.
         """
         c = self.config
-        model = model.to(self.device)
+        init = initializer(model) if on_meta(model) else None
+        names = parameter_names(model, optimizer) if optimizer is not None else None
+        if init is not None and not (self.model_parallel or self.sharded):
+            materialize(model, self.device, init)  # replicas: the whole model, now
+            if optimizer is not None:
+                follow_parameters(model, optimizer, names)
+            init = None
+        if init is None:
+            model = model.to(self.device)
         if self.model_parallel:
-            return self._setup_model_parallel(model, optimizer, loss_fn)
+            return self._setup_model_parallel(model, optimizer, loss_fn, init, names)
         blocks = find_blocks(model, c.blocks) \
             if c.activation_checkpointing or self.sharded else None
         # torchtitan's order: tensor parallel, activation checkpointing, then the data-parallel
@@ -182,12 +196,13 @@ class Harness:
         elif c.strategy == "diloco":
             self.comm = apply_diloco(model, c.diloco, self.traffic)
         elif self.sharded:
-            names = parameter_names(model, optimizer) if optimizer is not None else None
             reshard = c.strategy == "fsdp"
             # Counted before sharding, from the whole parameters.
             self.comm = FSDPTraffic(model, self.traffic, self.dims.dp, c.fsdp, reshard)
             apply_fsdp(model, self._dp_mesh(), c.fsdp, blocks=blocks,
                        reshard_after_forward=reshard)
+            if init is not None:
+                materialize(model, self.device, init)
             if optimizer is not None:
                 follow_parameters(model, optimizer, names)
         elif c.strategy == "zero1":
@@ -202,8 +217,9 @@ class Harness:
         return model, optimizer
 
     def _setup_model_parallel(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                              loss_fn: Any) -> tuple[nn.Module | PipelineModel,
-                                                     torch.optim.Optimizer | None]:
+                              loss_fn: Any, init: Init | None, names: list[list[str]] | None
+                              ) -> tuple[nn.Module | PipelineModel,
+                                         torch.optim.Optimizer | None]:
         """torchtitan's order: tensor parallel, activation checkpointing, the data-parallel
         wrapper (of each pipeline stage), the pipeline."""
         c, dims = self.config, self.dims
@@ -214,7 +230,6 @@ class Harness:
         if dims.pp_enabled and loss_fn is None:
             raise UsageError("pipeline parallelism computes the loss on the last stage: pass "
                              "loss_fn to setup")
-        names = parameter_names(model, optimizer) if optimizer is not None else None
         mesh = self._mesh()
         # Pieces of one rank's model must fit together: everyone starts from rank 0's.
         broadcast_from_first(model)
@@ -230,12 +245,13 @@ class Harness:
             if self.sharded:
                 reshard = c.strategy == "fsdp"
                 self.comm = FSDPTraffic(module, self.traffic, dims.dp, c.fsdp, reshard)
-                return apply_fsdp(module, mesh["dp"], c.fsdp, blocks=blocks,
-                                  reshard_after_forward=reshard)
-            if dims.dp_enabled:  # 'ddp': whole (stages of) split models on each dp rank
+                apply_fsdp(module, mesh["dp"], c.fsdp, blocks=blocks,
+                           reshard_after_forward=reshard)
+            elif dims.dp_enabled:  # 'ddp': whole (stages of) split models on each dp rank
                 self.comm = ReplicateTraffic(module, self.traffic, dims.dp)
-                return apply_replicate(module, mesh["dp"], blocks)
-            return module
+                apply_replicate(module, mesh["dp"], blocks)
+            # Built on meta: now that it is split, this rank's part gets its values.
+            return materialize(module, self.device, init) if init is not None else module
 
         if dims.pp_enabled:
             pipeline = apply_pp(model, mesh["pp"], c.pipeline, loss_fn,
