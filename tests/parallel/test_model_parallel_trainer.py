@@ -16,7 +16,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import shoal
 from shoal.errors import UsageError
 from shoal.examples import gpt
-from tests.helpers import max_rel_diff
 from tests.parallel.test_sharded import (
     ACCUMULATE,
     CLIP,
@@ -34,6 +33,12 @@ from tests.parallel.test_sharded import (
 )
 
 GLOBAL_BATCH = 16  # test_sharded's reference: 2 ranks x 4 samples x 2 micro-batches
+# Weights: test_sharded's tolerance of the largest entry, plus 1 % of one AdamW step.
+# AdamW moves an element by about lr a step whatever its gradient's size, so where a
+# gradient nearly cancels (the first MLP layer at init) its rounding, which depends on
+# the order of the sums (microbatches, shards), moves the weight by a small fraction of a
+# step: measured up to 8e-6 = 0.08 % of a step. A scaling error moves it by whole steps.
+LR, ADAM_STEP_FRACTION = 1e-2, 0.01
 TWO = {  # W=2: the whole batch on one dp rank
     "tp": {"parallel": {"tp": 2}},
     "tp, user plan": {"parallel": {"tp": 2}, "tp_plan": "attention only"},
@@ -154,9 +159,13 @@ def _check(results: list[dict], name: str) -> None:
             assert key not in weights or torch.equal(weights[key], value), (name, key)
             weights[key] = value
     assert weights.keys() == expected["weights"].keys(), f"{name}: parts do not add up"
-    mine = {k: v for k, v in weights.items() if not k.endswith(NO_GRADIENT)}
-    diff = max_rel_diff(mine, {k: expected["weights"][k] for k in mine})
-    assert diff <= WEIGHT_TOLERANCE, f"{name}: weights differ by {diff:.2e}"
+    for key, value in weights.items():
+        if key.endswith(NO_GRADIENT):
+            continue
+        want = expected["weights"][key]
+        error = (value - want).abs().max().item()
+        allowed = WEIGHT_TOLERANCE * want.abs().max().item() + ADAM_STEP_FRACTION * LR
+        assert error <= allowed, f"{name}: {key} off by {error:.1e} (allowed {allowed:.1e})"
     # The trained model's validation loss is the one-process model's, on every rank.
     want = _reference_validation()
     for result in results:
