@@ -109,11 +109,10 @@ class Checkpointing:
         if path is None:
             _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
             return 0
-        split = t.harness.sharded or t.harness.model_parallel
         live = get_model_state_dict(t.state_model)
         others = _other_stages(live) if t.harness.dims.pp_enabled else None
-        shared, own, meta = self.store.load(path, like=self._layout() if split else None,
-                                            skip=others)
+        shared, own, meta = self.store.load(path, like=self._layout() if t.harness.split
+                                            else None, skip=others)
         replicas = self._replicas(path, shared, own, meta)
         model_state, optimizer_state = replicas["model"], replicas["optimizer"]
         if t.harness.dims.pp_enabled:  # this stage's part of the whole model's state
@@ -253,8 +252,7 @@ def _finite(t: Trainer) -> bool:
     verdict without talking; shards differ, so sharded ranks agree on one."""
     finite = all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
                  for p in t.module.parameters())
-    split = t.harness.sharded or t.harness.model_parallel
-    if not split or t.harness.world_size == 1:
+    if not t.harness.split or t.harness.world_size == 1:
         return finite
     flag = torch.tensor([int(finite)], device=t.harness.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -143,6 +143,11 @@ class Harness:
         return self.config.strategy in ("zero2", "fsdp")
 
     @property
+    def split(self) -> bool:
+        """Each rank holds a part of the model (sharded, or split by tp or pp)."""
+        return self.sharded or self.dims.model_parallel
+
+    @property
     def model_parallel(self) -> bool:
         """The model itself is split over ranks (tp or pp > 1)."""
         return self.dims.model_parallel
@@ -176,35 +181,21 @@ class Harness:
         c = self.config
         init = initializer(model) if on_meta(model) else None
         names = parameter_names(model, optimizer) if optimizer is not None else None
-        if init is not None and not (self.model_parallel or self.sharded):
+        if init is not None and not self.split:
             materialize(model, self.device, init)  # replicas: the whole model, now
             if optimizer is not None:
                 follow_parameters(model, optimizer, names)
             init = None
         if init is None:
             model = model.to(self.device)
-        if self.model_parallel:
-            return self._setup_model_parallel(model, optimizer, loss_fn, init, names)
-        blocks = find_blocks(model, c.blocks) \
-            if c.activation_checkpointing or self.sharded else None
-        # torchtitan's order: tensor parallel, activation checkpointing, then the data-parallel
-        # wrapper (FSDP must see the checkpointed blocks to shard them as units).
+        if self.split:
+            return self._setup_split(model, optimizer, loss_fn, init, names)
         if c.activation_checkpointing:
-            apply_activation_checkpointing(model, blocks)
+            apply_activation_checkpointing(model, find_blocks(model, c.blocks))
         if c.strategy == "local_sgd":
             self.comm = apply_local_sgd(model, c.local_sgd, self.traffic)
         elif c.strategy == "diloco":
             self.comm = apply_diloco(model, c.diloco, self.traffic)
-        elif self.sharded:
-            reshard = c.strategy == "fsdp"
-            # Counted before sharding, from the whole parameters.
-            self.comm = FSDPTraffic(model, self.traffic, self.dims.dp, c.fsdp, reshard)
-            apply_fsdp(model, self._dp_mesh(), c.fsdp, blocks=blocks,
-                       reshard_after_forward=reshard)
-            if init is not None:
-                materialize(model, self.device, init)
-            if optimizer is not None:
-                follow_parameters(model, optimizer, names)
         elif c.strategy == "zero1":
             if optimizer is None:
                 raise UsageError("strategy 'zero1' shards the optimizer state: pass the "
@@ -216,34 +207,38 @@ class Harness:
             self.comm = apply_compression(model, c.compression, self.traffic, seed=c.seed)
         return model, optimizer
 
-    def _setup_model_parallel(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                              loss_fn: Any, init: Init | None, names: list[list[str]] | None
-                              ) -> tuple[nn.Module | PipelineModel,
-                                         torch.optim.Optimizer | None]:
-        """torchtitan's order: tensor parallel, activation checkpointing, the data-parallel
-        wrapper (of each pipeline stage), the pipeline."""
+    def _setup_split(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                     loss_fn: Any, init: Init | None, names: list[list[str]] | None
+                     ) -> tuple[nn.Module | PipelineModel, torch.optim.Optimizer | None]:
+        """A model of which each rank holds a part (zero2, fsdp, tp, pp), in torchtitan's
+        order: tensor parallel, activation checkpointing, the data-parallel wrapper (of
+        each pipeline stage: FSDP must see the checkpointed blocks to shard them as
+        units), the pipeline."""
         c, dims = self.config, self.dims
-        blocks = getattr(model, "blocks", None)
-        dims.validate_model(
-            n_layer=len(blocks) if isinstance(blocks, nn.ModuleList) else None,
-            n_head=getattr(getattr(model, "config", None), "n_head", None))
+        if dims.model_parallel:
+            blocks = getattr(model, "blocks", None)
+            dims.validate_model(
+                n_layer=len(blocks) if isinstance(blocks, nn.ModuleList) else None,
+                n_head=getattr(getattr(model, "config", None), "n_head", None))
+            # Pieces of one rank's model must fit together: everyone starts from rank 0's
+            # (the dp wrappers below give their ranks the first one's).
+            broadcast_from_first(model)
         if dims.pp_enabled and loss_fn is None:
             raise UsageError("pipeline parallelism computes the loss on the last stage: pass "
                              "loss_fn to setup")
         mesh = self._mesh()
-        # Pieces of one rank's model must fit together: everyone starts from rank 0's.
-        broadcast_from_first(model)
         if dims.tp_enabled:
             apply_tp(model, mesh["tp"], None if self.tp_plan else c.tensor_parallel,
                      plan=self.tp_plan)
         blocks = find_blocks(model, c.blocks) \
-            if c.activation_checkpointing or dims.dp_enabled else None
+            if c.activation_checkpointing or self.sharded or dims.dp_enabled else None
         if c.activation_checkpointing:
             apply_activation_checkpointing(model, blocks)
 
         def data_parallel(module: nn.Module, blocks: list[nn.Module] | None) -> nn.Module:
             if self.sharded:
                 reshard = c.strategy == "fsdp"
+                # Counted before sharding, from the whole parameters.
                 self.comm = FSDPTraffic(module, self.traffic, dims.dp, c.fsdp, reshard)
                 apply_fsdp(module, mesh["dp"], c.fsdp, blocks=blocks,
                            reshard_after_forward=reshard)
@@ -269,9 +264,6 @@ class Harness:
         if self.mesh is None:
             self.mesh = self.dims.build_mesh(self.device.type)
         return self.mesh
-
-    def _dp_mesh(self) -> DeviceMesh:
-        return self._mesh()["dp"]
 
     def synchronize(self) -> None:
         """local_sgd / diloco: bring every replica to the shared model now (at the end of

@@ -341,13 +341,13 @@ class Trainer:
         exact. A short final global batch gives ranks unequal shares: each rank's loss then
         counts by its share of the window's ``total`` samples (None: unknown, assume equal).
         """
-        share = _batch_len(batch) * self.harness.dims.dp
-        if total is None or share * window == total:
+        weight = self._weight(window, total, batch)
+        if weight == 1 / window:  # equal shares: divided, as one process would
             return loss / window if window > 1 else loss
-        return loss * (share / total)
+        return loss * weight
 
     def _weight(self, window: int, total: int | None, batch: Any) -> float:
-        """``_scaled``'s factor, for a pipeline that applies it itself."""
+        """``_scaled``'s factor (a pipeline applies it itself)."""
         share = _batch_len(batch) * self.harness.dims.dp
         return 1 / window if total is None or share * window == total else share / total
 
