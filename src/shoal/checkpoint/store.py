@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shoal.checkpoint import tree
+from shoal.runtime.compat import stager_reusable
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 COMMIT = "COMMIT.json"
@@ -63,6 +64,7 @@ class CheckpointStore:
         self.async_save = async_save
         self._pending: tuple[Any, Path, dict] | None = None  # (future, partial dir, record)
         self._stager: DefaultStager | None = None
+        self._cpu_group: dist.ProcessGroup | None = None
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:09d}"
@@ -100,8 +102,12 @@ class CheckpointStore:
                   "ranks": own_skeletons}
         state = {**tensors, **own_tensors}
         if self.async_save:
+            # Detached views: the stager deep-copies a tensor's Python attributes too, and
+            # a parameter may carry a wrapper's bookkeeping there.
+            state = {k: v.detach() for k, v in state.items()}
             future = dcp.async_save(state, checkpoint_id=str(partial),
-                                    async_stager=self._staging_buffers())
+                                    async_stager=self._staging_buffers(),
+                                    process_group=self._async_group())
             self._pending = (future, partial, record)
             return final
         dcp.save(state, checkpoint_id=str(partial))
@@ -109,16 +115,32 @@ class CheckpointStore:
         return final
 
     def _staging_buffers(self) -> DefaultStager:
-        """One stager for the store's life: its copy buffers are reused from save to save,
-        so after the first save a step waits only for a memory copy (at the price of a
-        second copy of the state kept in memory). The copy completes before save returns,
-        so training may change the weights right after."""
+        """One stager for the store's life: its copy buffers (pinned on a GPU machine) are
+        reused from save to save, so after the first save a step waits only for a memory
+        copy (at the price of a second copy of the state kept in memory). The copy completes
+        before save returns, so training may change the weights right after. A torch whose
+        stager cannot stage twice gets a new one per save."""
+        if self._stager is not None and not stager_reusable():
+            self._stager.close()
+            self._stager = None
         if self._stager is None:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(
                 use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                 use_non_blocking_copy=cuda))
         return self._stager
+
+    def _async_group(self) -> dist.ProcessGroup | None:
+        """A process group with a CPU side for the background writer (collective, once).
+
+        DCP's async save coordinates its ranks on the CPU while training goes on; a plain
+        NCCL group has no CPU side, so under NCCL a gloo group of the same ranks does it.
+        """
+        if not dist.is_initialized() or "gloo" in str(dist.get_backend()):
+            return None
+        if self._cpu_group is None:
+            self._cpu_group = dist.new_group(backend="gloo")
+        return self._cpu_group
 
     def wait(self) -> None:
         """Finish and commit an asynchronous save in flight (collective); no-op otherwise."""

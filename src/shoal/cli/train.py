@@ -24,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def train_command(args: argparse.Namespace) -> int:
     from shoal.config.loader import load_run_config, save_run_config
+    from shoal.runtime.dist import check_gpus
 
     config = load_run_config(args.config, args.overrides)
     if args.nproc_per_node is not None:
@@ -41,6 +42,7 @@ def train_command(args: argparse.Namespace) -> int:
     else:
         config.run.nproc_per_node = spec.nproc_per_node
         first = spec.node_rank == 0
+    check_gpus(config.trainer.backend, config.run.nproc_per_node)
     resolved = save_run_config(config) if first else None
     if spec.world_size == 1 and not in_place:
         from shoal.training.entry import train_from_config

@@ -39,13 +39,16 @@ class EvalShardSampler(Sampler[int]):
 
 def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
                      batch_size: int, shuffle: bool, seed: int, evaluation: bool = False,
-                     num_workers: int = 0, drop_last: bool = False) -> DataLoader:
+                     num_workers: int = 0, drop_last: bool = False,
+                     pin_memory: bool = False) -> DataLoader:
     """A DataLoader that yields only this rank's samples.
 
     Training uses ElasticSampler (global order from seed and epoch; rank r takes every W-th
     sample of each global batch), so W ranks with batch B see exactly the samples one process
     sees with batch W*B. A DataLoader keeps its batch size, collate function and workers.
     ``drop_last`` (training) drops each epoch's incomplete final global batch.
+    ``pin_memory`` (a GPU job) lets batches go to the device while the GPU still computes;
+    a DataLoader passed in keeps its own setting.
     """
     loader = data if isinstance(data, DataLoader) else None
     dataset = loader.dataset if loader is not None else data
@@ -56,7 +59,8 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
                           stacklevel=3)
         if loader is not None:
             return loader
-        return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
+        return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                          pin_memory=pin_memory)
     if loader is not None:
         batch_size = loader.batch_size or batch_size
         shuffle = isinstance(loader.sampler, RandomSampler)
@@ -82,7 +86,7 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
     # The loader's own generator: making an iterator draws a seed from it, and drawing from
     # the global RNG instead would shift dropout after a resume (see set_epoch).
     kwargs = {"batch_size": batch_size, "num_workers": num_workers,
-              "generator": torch.Generator()}
+              "generator": torch.Generator(), "pin_memory": pin_memory}
     if loader is not None:
         # drop_last is the sampler's business now: it knows where global batches end.
         kwargs.update(num_workers=loader.num_workers, collate_fn=loader.collate_fn,

@@ -185,6 +185,14 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.logits(self.run_blocks(self.embed(idx)))
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs (forward and backward) per token at full sequence length, for
+        MFU: 6 per weight of every matrix product (the embeddings are lookups) plus
+        attention's scores and weighted sum, 12 x layers x d_model x seq_len."""
+        c = self.config
+        lookups = (c.vocab_size + c.seq_len) * c.d_model
+        return 6 * (parameter_count(c) - lookups) + 12 * c.n_layer * c.d_model * c.seq_len
+
 
 def build_model(vocab_size: int = 256, seq_len: int = 128, n_layer: int = 4, n_head: int = 4,
                 d_model: int = 128, mlp_ratio: int = 4, dropout: float = 0.0,

@@ -22,6 +22,7 @@ from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
 from shoal.launch.ports import check_port_free
 from shoal.launch.summary import report_failure
+from shoal.runtime.compat import has_shutdown_grace
 
 SHUTDOWN_TIMEOUT_S = 60
 HANG_EXIT_CODE = 124  # as timeout(1)
@@ -105,6 +106,7 @@ def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = No
         rdzv_configs = {"rank": spec.node_rank}
         # Every node must name the same run, and each derives it from the same flags.
         run_id = f"shoal-{spec.master_addr}-{spec.master_port}"
+    # Before torch 2.12 the grace period before SIGKILL is torch's fixed 30 s.
     return LaunchConfig(
         min_nodes=spec.min_nodes or spec.nnodes,
         max_nodes=spec.nnodes,
@@ -121,8 +123,8 @@ def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = No
         # SIGUSR1 too (SLURM's warning before the end): the agent passes the signal on to
         # the workers, and gives them time to save a checkpoint before SIGKILL.
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         local_addr=address or (spec.master_addr if spec.nnodes == 1 else None),
+        **({"shutdown_timeout": SHUTDOWN_TIMEOUT_S} if has_shutdown_grace() else {}),
     )
 
 

@@ -15,6 +15,7 @@ import time
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from shoal.metrics.flops import peak_flops
 from shoal.metrics.resources import FIELDS as RESOURCE_FIELDS
 from shoal.metrics.resources import ResourceSampler
 from shoal.metrics.steps import PHASES, StepClock
@@ -52,15 +53,25 @@ class MetricsConfig(BaseModel):
     straggler_threshold: float = Field(0.2, gt=0)
     """A rank is named a straggler when its busy time per step exceeds the median rank's by
     more than this fraction of the median step time."""
+    peak_flops: float | None = Field(None, gt=0)
+    """Peak FLOP/s of one device in the training precision, for the model FLOPs utilization
+    (MFU) of models that say their FLOPs per token; default: from shoal's table of known
+    GPUs (dense tensor-core bf16/fp16, or fp32), none on a CPU."""
 
 
 class StepMetrics:
     """Per-step phases of this rank; gathered to rank 0 every ``config.every`` steps."""
 
-    def __init__(self, config: MetricsConfig, device: torch.device, rank: int, world: int):
+    def __init__(self, config: MetricsConfig, device: torch.device, rank: int, world: int,
+                 flops_per_token: float | None = None, precision: str = "32"):
         self.config = config
         self.device = device
         self.rank, self.world = rank, world
+        # MFU: the model's FLOPs for the tokens of a step over what the job's devices could
+        # do in that time; only when both the model's FLOPs and the device's peak are known.
+        peak = config.peak_flops or peak_flops(device, precision)
+        self.flops_per_token = flops_per_token if peak else None
+        self.peak_flops = peak
         self.clock = StepClock(device)
         self.sampler = ResourceSampler(device, config.resource_interval).start() \
             if config.resources else None
@@ -71,6 +82,7 @@ class StepMetrics:
         self._norms: list[torch.Tensor | None] = []
         self.totals: list[dict[str, float]] | None = None  # rank 0: per-rank sums
         self.total_steps = 0
+        self.total_tokens = self.total_time = 0.0  # rank 0: the job's tokens and step time
         self._last_straggler: tuple[int, str] | None = None
 
     def wants_grad_norm(self, global_step: int) -> bool:
@@ -80,9 +92,9 @@ class StepMetrics:
     def step(self, global_step: int, epoch: int, lr: float, loss: torch.Tensor,
              grad_norm: torch.Tensor | None, samples: int, tokens: int, comm) -> None:
         """Close this step (its clock marks are done); flush when the window is full."""
-        phases = self.clock.end_step(comm.wait, comm.blocked)
-        phases.update(samples=float(samples), tokens=float(tokens), bytes=comm.bytes)
-        self._steps.append((global_step, epoch, lr, phases))
+        self.clock.end_step(comm.wait, comm.blocked)
+        counts = {"samples": float(samples), "tokens": float(tokens), "bytes": comm.bytes}
+        self._steps.append((global_step, epoch, lr, counts))
         self._losses.append(loss.detach())
         self._norms.append(grad_norm.detach() if grad_norm is not None else None)
         if len(self._steps) >= self.config.every:
@@ -92,7 +104,9 @@ class StepMetrics:
         """Collective: every rank calls it at the same step."""
         if not self._steps:
             return
-        own = torch.tensor([[p[f] for f in STEP_FIELDS] for *_, p in self._steps],
+        phases = self.clock.take()
+        own = torch.tensor([[{**p, **c}[f] for f in STEP_FIELDS]
+                            for p, (*_, c) in zip(phases, self._steps, strict=True)],
                            dtype=torch.float64)
         nan = torch.full((), float("nan"), device=self._losses[0].device)
         read = torch.stack([torch.stack([loss.float().reshape(()) for loss in self._losses]),
@@ -144,12 +158,15 @@ class StepMetrics:
             tokens = column["tokens"][:, i].sum().item()
             if tokens:
                 record["tokens_per_s"] = tokens / step_time
+                if self.flops_per_token:
+                    record["mfu"] = self.mfu(record["tokens_per_s"])
             self.writer.write(record)
             self.writer.scalars(global_step, {
                 "train/loss": record["loss"], "train/lr": lr,
                 "train/grad_norm": record["grad_norm"],
                 "train/samples_per_s": record["samples_per_s"],
                 "train/tokens_per_s": record.get("tokens_per_s"),
+                "train/mfu": record.get("mfu"),
                 "time/step_s": step_time, "comm/bytes": record["comm_bytes"],
                 **{f"time/{p}_s": v for p, v in record["phases_s"].items()}})
         self.writer.write({"type": "ranks", "steps": [first, last], "time": now,
@@ -169,12 +186,22 @@ class StepMetrics:
             for i, f in enumerate(RESOURCE_FIELDS):  # weighted by steps, for a run mean
                 totals[f] += resources[r, i].item() * n
         self.total_steps += n
+        self.total_tokens += column["tokens"].sum().item()
+        self.total_time += column["step"].max(dim=0).values.sum().item()
+
+    def mfu(self, tokens_per_s: float) -> float:
+        """Model FLOPs utilization of the whole job at this token rate (0..1)."""
+        return tokens_per_s * self.flops_per_token / (self.peak_flops * self.world)
 
     def finish(self, show_summary: bool = True) -> None:
         """Collective, at the end of training: the last window, then rank 0's table."""
         self.flush()
         if show_summary and self.rank == 0 and self.totals and self.total_steps:
             print(summary_table(self.totals, self.total_steps), flush=True)
+            if self.total_tokens and self.total_time:
+                rate = self.total_tokens / self.total_time
+                mfu = f", MFU {self.mfu(rate):.1%}" if self.flops_per_token else ""
+                print(f"shoal: {rate:,.0f} tokens/s{mfu}", flush=True)
 
     def close(self) -> None:
         """Not collective (also on the way out of an error): stop sampling, close files."""

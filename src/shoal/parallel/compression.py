@@ -56,9 +56,11 @@ class _Stateless:
 
 class _Uncompressed(_Stateless):
     """No hook: DDP's own all-reduce in C++, the fastest. Counted from outside instead: the
-    bytes are every gradient's; the wait is from the last gradient computed (a
+    bytes are every gradient's; on the CPU the wait is from the last gradient computed (a
     post-accumulate hook on each parameter) to the end of backward, which DDP spends waiting
-    for its last buckets."""
+    for its last buckets. On a GPU backward only queues kernels and the all-reduce runs on
+    its own stream, so the CPU's clock cannot see that wait: no hooks there (a Python call
+    per parameter per step, for nothing), and the wait counts as 0."""
 
     def __init__(self, model: DistributedDataParallel, traffic: Traffic):
         self.model = model
@@ -66,8 +68,9 @@ class _Uncompressed(_Stateless):
         params = [p for p in model.module.parameters() if p.requires_grad]
         self.nbytes = all_reduce_bytes(sum(p.numel() * p.element_size() for p in params),
                                        dist.get_world_size(model.process_group))
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._ready)
+        if not model.device_ids:  # CPU
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._ready)
 
     def _ready(self, _: torch.Tensor) -> None:
         self.traffic.launched()

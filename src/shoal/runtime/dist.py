@@ -65,6 +65,21 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
+def check_gpus(backend: str | None, processes: int) -> None:
+    """Refuse more NCCL processes on this node than GPUs it sees (NCCL needs one GPU per
+    process: two on one GPU fail with "Duplicate GPU detected", one without a GPU with
+    "invalid device ordinal"). Called by the launcher before any worker starts."""
+    if resolve_backend(backend) != "nccl":
+        return
+    visible = torch.cuda.device_count()
+    if processes > visible:
+        raise UsageError(
+            f"{processes} processes on this node need {processes} GPUs under NCCL, but "
+            f"{visible} {'is' if visible == 1 else 'are'} visible: start {visible} "
+            f"process{'' if visible == 1 else 'es'} (--nproc-per-node {visible}), or train "
+            "on the CPU with trainer.backend: gloo")
+
+
 def init(backend: str | None = None, timeout: float | None = None) -> DistEnv:
     """Join the job's process group (once; later calls return the same DistEnv)."""
     global _env, _device
@@ -73,6 +88,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistEnv:
     env = DistEnv.from_environ()
     backend = resolve_backend(backend)
     if backend == "nccl":
+        check_gpus(backend, env.local_world_size)  # a script started by shoal run
         _device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(_device)
     else:

@@ -52,6 +52,10 @@ class TrainerConfig(BaseModel):
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of keeping them (any
     strategy): less memory for about one more forward pass."""
+    compile: bool = False
+    """torch.compile the model: whole, after DDP wraps it (ddp, zero1, local_sgd, diloco),
+    or block by block before FSDP shards it (zero2, fsdp, tp, pp). The first steps take
+    longer while it compiles."""
     blocks: list[str] | None = None
     """Class names of the model's repeated blocks, the units of FSDP sharding and of
     activation checkpointing (e.g. ['Block']). Default: the children of the model's

@@ -38,6 +38,7 @@ from shoal.parallel.averaging import (
     apply_local_sgd,
 )
 from shoal.parallel.blocks import find_blocks
+from shoal.parallel.compile import apply_compile
 from shoal.parallel.compression import CompressionConfig, apply_compression
 from shoal.parallel.ddp import DDPConfig, apply_ddp
 from shoal.parallel.fsdp import (
@@ -78,6 +79,20 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _on_cpu(data: Dataset | DataLoader) -> bool:
+    """A map-style dataset whose samples are CPU tensors (which can be pinned); judged by
+    its first sample."""
+    dataset = data.dataset if isinstance(data, DataLoader) else data
+    if isinstance(dataset, IterableDataset):
+        return False
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - an empty or odd dataset: no pinning, no judgment
+        return False
+    tensors = sample if isinstance(sample, (list, tuple)) else [sample]
+    return all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _full(norm: torch.Tensor) -> torch.Tensor:
     """A norm of sharded (DTensor) gradients is a replicated DTensor: the plain value."""
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -97,7 +112,7 @@ class Harness:
                  pipeline: PipelineConfig | dict | None = None,
                  tp_plan: dict | None = None,
                  activation_checkpointing: bool = False, blocks: list[str] | None = None,
-                 seed: int = 0):
+                 compile: bool = False, seed: int = 0):
         from shoal.training.config import TrainerConfig
 
         # Validate through the same schema as the Trainer, so both reject the same inputs.
@@ -108,7 +123,7 @@ class Harness:
         # one that the microbatches divide passes the config's check.
         micro = PipelineConfig.model_validate(pipeline or {}).microbatches
         config = TrainerConfig.build(strategy=strategy, precision=precision, backend=backend,
-                                     batch_size=micro, seed=seed,
+                                     batch_size=micro, seed=seed, compile=compile,
                                      activation_checkpointing=activation_checkpointing,
                                      **{k: v for k, v in options.items() if v is not None})
         self.config = config
@@ -205,6 +220,8 @@ class Harness:
         else:
             model = apply_ddp(model, self.device, c.ddp)
             self.comm = apply_compression(model, c.compression, self.traffic, seed=c.seed)
+        if c.compile:  # after the wrapper: torch's DDP splits the graph at its buckets
+            apply_compile(model)
         return model, optimizer
 
     def _setup_split(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -231,9 +248,12 @@ class Harness:
             apply_tp(model, mesh["tp"], None if self.tp_plan else c.tensor_parallel,
                      plan=self.tp_plan)
         blocks = find_blocks(model, c.blocks) \
-            if c.activation_checkpointing or self.sharded or dims.dp_enabled else None
+            if c.activation_checkpointing or self.sharded or dims.dp_enabled or c.compile \
+            else None
         if c.activation_checkpointing:
             apply_activation_checkpointing(model, blocks)
+        if c.compile:  # block by block, before FSDP makes each block a unit
+            apply_compile(model, blocks)
 
         def data_parallel(module: nn.Module, blocks: list[nn.Module] | None) -> nn.Module:
             if self.sharded:
@@ -297,7 +317,8 @@ class Harness:
                                   batch_size=batch_size, shuffle=shuffle and not evaluation,
                                   seed=self.config.seed, evaluation=evaluation,
                                   num_workers=num_workers,
-                                  drop_last=self.dims.pp_enabled and not evaluation)
+                                  drop_last=self.dims.pp_enabled and not evaluation,
+                                  pin_memory=self.device.type == "cuda" and _on_cpu(data))
         if self.model_parallel and not isinstance(loader.sampler,
                                                   (ElasticSampler, EvalShardSampler)):
             custom = loader.batch_sampler is not None \

@@ -119,11 +119,14 @@ class Trainer:
                                tensor_parallel=c.tensor_parallel, pipeline=c.pipeline,
                                tp_plan=tp_plan,
                                activation_checkpointing=c.activation_checkpointing,
-                               blocks=c.blocks, seed=c.seed)
+                               blocks=c.blocks, compile=c.compile, seed=c.seed)
         # Each dp rank gets its own stream of random numbers (dropout); its tp and pp ranks
         # share it, as they compute parts of one forward. The data order comes from the
         # sampler's seed and is the same on every rank.
         seed_everything(c.seed + self.harness.dp_rank)
+        # Asked of the whole model, before a strategy splits or wraps it.
+        flops = getattr(model, "flops_per_token", None)
+        self.flops_per_token: float | None = flops() if callable(flops) else flops
         self.loss_fn = loss_fn or F.cross_entropy
         self.model, self.optimizer = self.harness.setup(model, optimizer, self.loss_fn)
         self.pipeline = isinstance(self.model, PipelineModel)
@@ -186,7 +189,8 @@ class Trainer:
         metrics: dict[str, float] = {}
         self._preemption = PreemptionWatch(self.harness.device) if self.checkpointing else None
         h = self.harness
-        self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size) \
+        self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size,
+                                    self.flops_per_token, c.precision) \
             if c.metrics.enabled else None
         try:
             if self._preemption:
