@@ -1,7 +1,5 @@
 """shoal: take a PyTorch training job from one process to many, and keep it running."""
 
-__version__ = "0.1.0"
-
 from shoal.runtime.collectives import (  # noqa: E402
     all_gather,
     all_gather_object,
@@ -27,6 +25,7 @@ from shoal.runtime.spawn import WorkerFailedError, spawn  # noqa: E402
 from shoal.training.config import TrainerConfig  # noqa: E402
 from shoal.training.harness import Harness, seed_everything  # noqa: E402
 from shoal.training.trainer import Trainer  # noqa: E402
+from shoal.version import __version__ as __version__  # noqa: E402
 
 __all__ = [
     "DistEnv",

@@ -65,6 +65,9 @@ def test_taken_port(tmp_path):
     ("trainer.compression=gzip", ["trainer.compression.name", "'powersgd'"]),
     ("trainer.local_sgd.period=0", ["trainer.local_sgd.period", "greater than or equal to 1"]),
     ("trainer.diloco.period=0", ["trainer.diloco.period", "greater than or equal to 1"]),
+    ("model.args.hidden=abc", ["model.args.hidden", "valid integer", "'abc'"]),
+    ("trainer.resume=/nonexistent/checkpoint",
+     ["trainer", "resume /nonexistent/checkpoint", "no such directory"]),
 ])
 def test_invalid_config(override, needles):
     _assert_one_line_error(run_shoal("train", "--config", DIGITS, override), *needles)

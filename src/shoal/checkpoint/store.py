@@ -180,7 +180,12 @@ class CheckpointStore:
     @staticmethod
     def problem(path: Path) -> str | None:
         """What makes ``path`` unusable, or None when it is complete."""
+        if not path.is_dir():
+            return "no such directory"
         marker = path / COMMIT
+        if not marker.is_file() and any(_STEP_DIR.match(p.name) for p in path.iterdir()):
+            return ("it is a directory of checkpoints, not one: name one of its step_N "
+                    "folders, or set checkpoint_dir to it with resume: auto")
         if not marker.is_file():
             return f"no commit marker ({COMMIT}): the save did not finish"
         try:

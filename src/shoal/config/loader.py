@@ -6,11 +6,12 @@ import importlib
 import inspect
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from shoal.config.errors import usage_error
 from shoal.config.schema import BuilderConfig, RunConfig
@@ -84,6 +85,30 @@ def _check_builder(section: str, spec: BuilderConfig) -> None:
         signature.bind(*leading, **spec.args)
     except TypeError as exc:
         raise UsageError(f"{section}.args: {exc} (builder {spec.builder})") from None
+    _check_argument_types(section, spec, fn)
+
+
+def _check_argument_types(section: str, spec: BuilderConfig, fn: Any) -> None:
+    """Each argument against the builder's own annotation, as the rest of the config is
+    checked: a wrong type fails here, in one line, rather than in every worker. A value
+    pydantic converts losslessly (the string "3" for an int) is passed on converted."""
+    try:
+        hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: checked when called
+        return
+    for name, value in spec.args.items():
+        if name not in hints:
+            continue
+        try:
+            adapter = TypeAdapter(hints[name])
+        except Exception:  # noqa: BLE001 - a type pydantic cannot check (any class)
+            continue
+        try:
+            spec.args[name] = adapter.validate_python(value)
+        except ValidationError as exc:
+            reason = exc.errors()[0]["msg"]
+            raise UsageError(f"{section}.args.{name}: {reason} (got {value!r}; builder "
+                             f"{spec.builder})") from None
 
 
 def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-import shoal
 from shoal.runtime import dist as _dist
+from shoal.version import __version__
 
 _ENV_PREFIXES = ("MASTER_", "RANK", "LOCAL_", "WORLD_SIZE", "GROUP_", "ROLE_", "TORCHELASTIC_",
                  "NCCL_", "GLOO_", "TORCH_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
@@ -31,7 +31,7 @@ def info() -> dict[str, Any]:
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "hostname": socket.gethostname(),
         "versions": {
-            "shoal": shoal.__version__,
+            "shoal": __version__,
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cuda": torch.version.cuda,

@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,9 +35,29 @@ from shoal.checkpoint import CheckpointError, CheckpointStore, rng, tree
 from shoal.errors import UsageError
 from shoal.parallel.pipeline_parallel import placed_in_stage
 from shoal.parallel.zero import gather_optimizer_state, is_zero, load_optimizer_state
+from shoal.training.config import TrainerConfig
+from shoal.training.harness import Harness
 
-if TYPE_CHECKING:
-    from shoal.training.trainer import Trainer
+
+class Trainer(Protocol):
+    """What checkpoints read from and restore into a ``shoal.Trainer`` (named here so that
+    this module does not import the Trainer's, which imports this one)."""
+
+    config: TrainerConfig
+    harness: Harness
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    global_step: int
+    epoch: int
+    accumulate: int
+    run_config: dict | None
+    checkpointing: Checkpointing | None
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    @property
+    def state_model(self) -> torch.nn.Module: ...
 
 
 def _say(trainer: Trainer, message: str) -> None:
@@ -136,8 +156,10 @@ class Checkpointing:
         t.global_step, t.epoch = meta["global_step"], meta["epoch"]
         self.saved_step = t.global_step
         self._keep_global_batch(meta)
+        writes = (f"new checkpoints go to {self.store.root}" if t.checkpointing is self
+                  else "no new checkpoints are written (checkpoint_dir is unset)")
         _say(t, f"resumed from {path} (step {t.global_step}, epoch {t.epoch}, "
-                f"saved by {meta['world_size']} processes)")
+                f"saved by {meta['world_size']} processes); {writes}")
         return meta["consumed"] or 0
 
     def _layout(self) -> dict[str, torch.Tensor]:

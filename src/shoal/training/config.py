@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import (
@@ -13,6 +14,7 @@ from pydantic import (
     model_validator,
 )
 
+from shoal.checkpoint import CheckpointStore
 from shoal.config.errors import usage_error
 from shoal.metrics.recorder import MetricsConfig
 from shoal.parallel.averaging import DiLoCoConfig, LocalSGDConfig
@@ -104,7 +106,8 @@ class TrainerConfig(BaseModel):
     """Step metrics: phase split per rank, resources, stragglers, JSONL and TensorBoard."""
     resume: str | None = None
     """'auto': continue from the newest complete checkpoint in checkpoint_dir, if any;
-    a path: from that checkpoint; unset: start afresh."""
+    a path: from that checkpoint (refused at once when it holds no complete checkpoint;
+    new checkpoints go to checkpoint_dir, none when it is unset); unset: start afresh."""
 
     @model_validator(mode="after")
     def _strategy_settings(self) -> TrainerConfig:
@@ -153,6 +156,16 @@ class TrainerConfig(BaseModel):
                 ) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every(_seconds) and resume='auto' need "
                              "checkpoint_dir")
+        return self
+
+    @model_validator(mode="after")
+    def _resume_path(self) -> TrainerConfig:
+        # A run asked to continue must not quietly start afresh: the path must hold a
+        # complete checkpoint now, before any process starts.
+        if self.resume not in (None, "auto"):
+            problem = CheckpointStore.problem(Path(self.resume))
+            if problem is not None:
+                raise ValueError(f"resume {self.resume}: {problem}")
         return self
 
     @field_validator("precision", mode="before")

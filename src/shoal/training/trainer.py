@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -182,8 +183,11 @@ class Trainer:
         if epochs is None and max_steps is None:
             epochs = 1
         loader = self._loader(train_data, evaluation=False)
-        consumed = self.checkpointing.resume(c.resume) if self.checkpointing and c.resume \
-            else 0
+        consumed = 0
+        if c.resume:  # a path without checkpoint_dir is read, and nothing is written
+            reader = self.checkpointing or Checkpointing(self, str(Path(c.resume).parent),
+                                                         every=None, keep_last=c.keep_last)
+            consumed = reader.resume(c.resume)
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.harness.is_main)
         metrics: dict[str, float] = {}
