@@ -29,6 +29,9 @@ def test_async_checkpoint_resumes_exactly(tmp_path, single_process):
     # Resume from step 4 (drop the final one): the saved state must be step 4's own.
     shutil.rmtree(tmp_path / "step_000000005")
     resumed = _trainer(checkpoint_dir=str(tmp_path), resume="auto", async_checkpoint=True)
+    steps: list[int] = []  # a run that ignored the checkpoint would end the same: count
+    resumed.optimizer.register_step_post_hook(lambda *_: steps.append(1))
     resumed.fit(make_dataset(), max_steps=9)
+    assert len(steps) == 5
     a, b = straight.module.state_dict(), resumed.module.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
