@@ -50,6 +50,27 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check each collective across ranks (op, shapes, dtypes)")
 
 
+def add_fetch_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--fetch-data URL DEST`: the node fetches its data before its workers start."""
+    parser.add_argument("--fetch-data", nargs=2, default=None, metavar=("URL", "DEST"),
+                        help="first fetch the dataset `shoal data serve` serves at URL into "
+                        "DEST on this node (see `shoal data fetch`)")
+    parser.add_argument("--fetch-token-file", default=None, metavar="FILE",
+                        help="the data server's token, for --fetch-data")
+
+
+def fetch_first(args: argparse.Namespace, cluster: ClusterEnv | None) -> int:
+    """Run the fetch ``--fetch-data`` asks for (if any); its exit status, 0 when done."""
+    if not args.fetch_data:
+        return 0
+    if cluster is not None and cluster.per_process:
+        raise UsageError(f"--fetch-data: {cluster.label} started every worker, so each "
+                         "would fetch; run `shoal data fetch` once per node before them")
+    from shoal.data.fetch import fetch_command
+
+    return fetch_command(*args.fetch_data, token_file=args.fetch_token_file)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run",
@@ -60,6 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_launch_arguments(parser)
     parser.add_argument("-m", dest="module", action="store_true",
                         help="treat ENTRY as a module name, like python -m")
+    add_fetch_arguments(parser)
     parser.add_argument("entry", metavar="SCRIPT|MODULE", help="the training script or module")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(handler=run_command)
@@ -172,4 +194,4 @@ def start(spec: LaunchSpec, cluster: ClusterEnv | None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     cluster = detect_cluster(args)
     spec = spec_from_args(args, args.entry, args.args, args.module, cluster=cluster)
-    return start(spec, cluster)
+    return fetch_first(args, cluster) or start(spec, cluster)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from shoal.cli.run import add_launch_arguments, announce, detect_cluster, spec_from_args, start
+from shoal.cli.run import (
+    add_fetch_arguments,
+    add_launch_arguments,
+    announce,
+    detect_cluster,
+    fetch_first,
+    spec_from_args,
+    start,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -16,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", required=True, metavar="RUN.yaml", help="the run config")
     add_launch_arguments(parser)
+    add_fetch_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="override config values; the value is read as YAML")
     parser.set_defaults(handler=train_command, command="train")
@@ -43,6 +52,9 @@ def train_command(args: argparse.Namespace) -> int:
         config.run.nproc_per_node = spec.nproc_per_node
         first = spec.node_rank == 0
     check_gpus(config.trainer.backend, config.run.nproc_per_node)
+    fetched = fetch_first(args, cluster)  # the data is in place before anything is built
+    if fetched:
+        return fetched
     resolved = save_run_config(config) if first else None
     if spec.world_size == 1 and not in_place:
         from shoal.training.entry import train_from_config

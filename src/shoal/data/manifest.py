@@ -13,6 +13,7 @@ import errno
 import hashlib
 import itertools
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -281,3 +282,26 @@ def source_paths(manifest: Manifest, src: str) -> list[str]:
     if manifest.single_file:
         return [src]
     return [os.path.join(src, *entry.path.split("/")) for entry in manifest.files]
+
+
+def prepare_dest(manifest: Manifest, dest: str, where: str = "") -> list[FilePlan]:
+    """Check that DEST is writable (``where``: " on node 1 (host)", for the message), make
+    the manifest's folders, compare what DEST holds with the manifest and open the part
+    files; the plans say which chunks are still needed."""
+    paths = targets(manifest, dest)
+    root = os.path.dirname(paths[0]) if manifest.single_file else dest
+    try:
+        os.makedirs(root, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".shoal-probe-", dir=root)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ReplicateError(f"DEST {root} is not writable{where}: {exc.strerror or exc}",
+                             exit_code=2) from None
+    for directory in manifest.dirs:
+        os.makedirs(os.path.join(dest, *directory.split("/")), exist_ok=True)
+    plans = [plan_file(entry, path, manifest.chunk_size, index)
+             for index, (entry, path) in enumerate(zip(manifest.files, paths, strict=True))]
+    for plan in plans:
+        open_part(plan, manifest.files[plan.index])
+    return plans

@@ -17,7 +17,6 @@ import errno
 import os
 import socket
 import sys
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,11 +35,9 @@ from shoal.data.manifest import (
     build_manifest,
     copy_chunks,
     finish_file,
-    open_part,
-    plan_file,
+    prepare_dest,
     read_chunk,
     source_paths,
-    targets,
     write_chunk,
 )
 from shoal.runtime import dist as shoal_dist
@@ -182,35 +179,10 @@ def _failure(exc: OSError, node: Node) -> _Failure:
     return _Failure(f"{node}: {where}{exc.strerror or exc}")
 
 
-def _check_writable(root: str, node: Node) -> None:
-    try:
-        os.makedirs(root, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".shoal-probe-", dir=root)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as exc:
-        raise ReplicateError(f"DEST {root} is not writable on {node}: "
-                             f"{exc.strerror or exc}", exit_code=2) from None
-
-
 def _same_place(src: str, dest: str) -> bool:
     if os.path.exists(dest) and os.path.exists(src):
         return os.path.samefile(src, dest)
     return os.path.realpath(src) == os.path.realpath(dest)
-
-
-def _prepare(manifest: Manifest, dest: str, node: Node) -> list[FilePlan]:
-    """Check DEST, compare what it holds with the manifest, open the part files."""
-    paths = targets(manifest, dest)
-    root = os.path.dirname(paths[0]) if manifest.single_file else dest
-    _check_writable(root, node)
-    for directory in manifest.dirs:
-        os.makedirs(os.path.join(dest, *directory.split("/")), exist_ok=True)
-    plans = [plan_file(entry, path, manifest.chunk_size, index)
-             for index, (entry, path) in enumerate(zip(manifest.files, paths, strict=True))]
-    for plan in plans:
-        open_part(plan, manifest.files[plan.index])
-    return plans
 
 
 class _Transfer:
@@ -299,7 +271,7 @@ def replicate(src: str, dest: str, group: dist.ProcessGroup | None = None, *,
     report = NodeReport(node, dest, holds_source=is_source and _same_place(src, dest))
     plans: list[FilePlan] = []
     try:
-        plans = [] if report.holds_source else _prepare(manifest, dest, node)
+        plans = [] if report.holds_source else prepare_dest(manifest, dest, f" on {node}")
         outcome: Any = {p.index: p.needed for p in plans if p.needed}
     except ReplicateError as exc:
         outcome = _Failure(str(exc), exc.exit_code)
