@@ -183,10 +183,10 @@ class CheckpointStore:
         if not path.is_dir():
             return "no such directory"
         marker = path / COMMIT
-        if not marker.is_file() and any(_STEP_DIR.match(p.name) for p in path.iterdir()):
-            return ("it is a directory of checkpoints, not one: name one of its step_N "
-                    "folders, or set checkpoint_dir to it with resume: auto")
         if not marker.is_file():
+            if any(_STEP_DIR.match(p.name) for p in path.iterdir()):
+                return ("it is a directory of checkpoints, not one: name one of its step_N "
+                        "folders, or set checkpoint_dir to it with resume: auto")
             return f"no commit marker ({COMMIT}): the save did not finish"
         try:
             files = json.loads(marker.read_text())["files"]

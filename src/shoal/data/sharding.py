@@ -178,3 +178,31 @@ def agreed_batches(loader: DataLoader, length: int | None, device: torch.device
         following = agreed_next()
         yield current, following is None
         current = following
+
+
+def lockstep_batches(loader: DataLoader, device: torch.device) -> Iterator[tuple[Any, bool]]:
+    """(batch, counts): as many batches on every rank as on the rank with most.
+
+    A sharded model's forward is collective, so a rank that ran out keeps running forward
+    passes, on a batch it already saw (counts False); one that had none at all (a
+    validation set smaller than the number of ranks) is sent another rank's.
+    """
+    world = dist.get_world_size()
+    iterator = iter(loader)
+    spare = None
+    while True:
+        batch = next(iterator, None)
+        spare = batch if batch is not None else spare
+        # 2: a batch; 1: none left but one to repeat; 0: none ever.
+        mine = 2 if batch is not None else (1 if spare is not None else 0)
+        states = torch.zeros(world, dtype=torch.int64, device=device)
+        states[dist.get_rank()] = mine
+        dist.all_reduce(states)
+        if not (states == 2).any():
+            return
+        if (states == 0).any():
+            first = [batch]
+            dist.broadcast_object_list(
+                first, src=int((states == 2).nonzero()[0]))
+            spare = spare if spare is not None else first[0]
+        yield (batch, True) if batch is not None else (spare, False)

@@ -6,7 +6,7 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from shoal.data.sharding import (
     agreed_batches,
     agreed_length,
+    lockstep_batches,
     position_after,
     samples_between,
     set_epoch,
@@ -62,34 +63,6 @@ def _tokens(inputs: Any) -> int:
             inputs.is_floating_point() or inputs.is_complex()):
         return inputs.numel()
     return 0
-
-
-def _lockstep(loader: DataLoader, device: torch.device) -> Iterator[tuple[Any, bool]]:
-    """(batch, counts): as many batches on every rank as on the rank with most.
-
-    A sharded model's forward is collective, so a rank that ran out keeps running forward
-    passes, on a batch it already saw (counts False); one that had none at all (a
-    validation set smaller than the number of ranks) is sent another rank's.
-    """
-    world = torch.distributed.get_world_size()
-    iterator = iter(loader)
-    spare = None
-    while True:
-        batch = next(iterator, None)
-        spare = batch if batch is not None else spare
-        # 2: a batch; 1: none left but one to repeat; 0: none ever.
-        mine = 2 if batch is not None else (1 if spare is not None else 0)
-        states = torch.zeros(world, dtype=torch.int64, device=device)
-        states[torch.distributed.get_rank()] = mine
-        torch.distributed.all_reduce(states)
-        if not (states == 2).any():
-            return
-        if (states == 0).any():
-            first = [batch]
-            torch.distributed.broadcast_object_list(
-                first, src=int((states == 2).nonzero()[0]))
-            spare = spare if spare is not None else first[0]
-        yield (batch, True) if batch is not None else (spare, False)
 
 
 def _rescale_gradients(model: nn.Module, factor: float) -> None:
@@ -412,7 +385,7 @@ class Trainer:
         # loss * n, correct, n, batches not of class targets: summed over ranks, so the
         # mean weights every sample once (tp ranks each count every sample: the same mean).
         totals = torch.zeros(4, device=h.device, dtype=torch.float64)
-        batches = _lockstep(loader, h.device) if h.sharded else ((b, True) for b in loader)
+        batches = lockstep_batches(loader, h.device) if h.sharded else ((b, True) for b in loader)
         for batch, counts in batches:
             heartbeat(self.global_step)  # a long validation is progress too
             inputs, targets = _unpack(h.to_device(batch))
