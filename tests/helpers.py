@@ -41,3 +41,14 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
         scale = b[key].abs().max().clamp(min=1e-12)
         worst = max(worst, ((a[key] - b[key]).abs().max() / scale).item())
     return worst
+
+
+def states_equal(a, b) -> bool:
+    """Nested states (dicts, lists, tensors, numbers) equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b

@@ -9,19 +9,9 @@ import shutil
 
 import torch
 
-from tests.helpers import run_shoal
+from tests.helpers import run_shoal, states_equal
 
 JOB = "tests/checkpoint/job.py"
-
-
-def _states_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_states_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def _final(path):
@@ -46,9 +36,9 @@ def test_sigkill_at_random_steps_resumes_bit_exactly(tmp_path):
     assert out.returncode == 0, f"plan {plan}\n{out.stderr[-3000:]}"
     assert (killed / "samples_attempt3.json").exists(), "fewer than 3 restarts happened"
     a, b = _final(straight), _final(killed)
-    assert _states_equal(a["model"], b["model"]), plan
-    assert _states_equal(a["optimizer"], b["optimizer"]), plan
-    assert _states_equal(a["rng"], b["rng"]), plan
+    assert states_equal(a["model"], b["model"]), plan
+    assert states_equal(a["optimizer"], b["optimizer"]), plan
+    assert states_equal(a["rng"], b["rng"]), plan
 
 
 def _samples(path, attempt=0):

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from shoal.cli.run import (
     add_fetch_arguments,
@@ -32,37 +38,62 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    from shoal.config.loader import load_run_config, save_run_config
-    from shoal.runtime.dist import check_gpus
+    from shoal.config.loader import load_run_config
 
     config = load_run_config(args.config, args.overrides)
+    return launch_run(args, config, args.config, args.overrides)
+
+
+def launch_run(args: argparse.Namespace, config: Any, source: str | None,
+               overrides: list[str]) -> int:
+    """Check what depends on the job's size, then train ``config`` (a Trainer run or an
+    ``rl:`` run) on this node's processes. ``source``: the user's config file, which the
+    other nodes' workers read with ``overrides`` (None: they read a copy of ``config``)."""
+    from shoal.config.loader import save_run_config
+    from shoal.config.schema import RLRunConfig
+    from shoal.runtime.dist import check_gpus
+
+    rl = isinstance(config, RLRunConfig)
+    entry = "shoal.rl.entry" if rl else "shoal.training.entry"
     if args.nproc_per_node is not None:
         config.run.nproc_per_node = args.nproc_per_node  # validated again by spec_from_args
     cluster = detect_cluster(args)
-    spec = spec_from_args(args, "shoal.training.entry", [], module=True,
+    spec = spec_from_args(args, entry, [], module=True,
                           nproc_default=config.run.nproc_per_node, cluster=cluster)
     # Where the scheduler started every worker (srun -n 8, mpirun), this process is one rank.
     in_place = cluster is not None and cluster.per_process
-    # A topology that does not fit the job fails here, in one line, before any worker starts.
-    config.trainer.parallel.resolve(cluster.world_size if in_place else spec.world_size)
+    world = cluster.world_size if in_place else spec.world_size
+    # What does not fit the job fails here, in one line, before any worker starts.
+    if rl:
+        config.rl.updates(world)
+    else:
+        config.trainer.parallel.resolve(world)
     if in_place:
         config.run.nproc_per_node = cluster.local_world_size or 1
         first = cluster.rank == 0
     else:
         config.run.nproc_per_node = spec.nproc_per_node
         first = spec.node_rank == 0
-    check_gpus(config.trainer.backend, config.run.nproc_per_node)
+    check_gpus(config.rl.backend if rl else config.trainer.backend, config.run.nproc_per_node)
     fetched = fetch_first(args, cluster)  # the data is in place before anything is built
     if fetched:
         return fetched
     resolved = save_run_config(config) if first else None
     if spec.world_size == 1 and not in_place:
-        from shoal.training.entry import train_from_config
-
         announce(spec, cluster)
-        train_from_config(config)
+        importlib.import_module(entry).train_from_config(config)
         return 0
+    if resolved is None and source is None:  # no file of the user's for these workers
+        resolved = _private_copy(config)
     # The others read the config and overrides themselves, without waiting for the file.
-    spec.args = ["--config", str(resolved or args.config), *(
-        [] if resolved else args.overrides)]
+    spec.args = ["--config", str(resolved or source), *([] if resolved else overrides)]
     return start(spec, cluster)
+
+
+def _private_copy(config: Any) -> Path:
+    """The resolved config in a file of this node's own (not the shared run directory)."""
+    handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="shoal-run-",
+                                         delete=False)
+    with handle:
+        yaml.safe_dump(config.model_dump(mode="json"), handle, sort_keys=False)
+    return Path(handle.name)

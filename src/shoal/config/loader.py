@@ -14,7 +14,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from shoal.config.errors import usage_error
-from shoal.config.schema import BuilderConfig, RunConfig
+from shoal.config.schema import BuilderConfig, RLRunConfig, RunConfig
 from shoal.errors import UsageError
 
 
@@ -111,7 +111,8 @@ def _check_argument_types(section: str, spec: BuilderConfig, fn: Any) -> None:
                              f"{spec.builder})") from None
 
 
-def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
+def load_run_config(path: str | os.PathLike, overrides: list[str] = ()
+                    ) -> RunConfig | RLRunConfig:
     """Load, override and validate a run config; every problem is a one-line UsageError."""
     path = Path(path)
     if not path.is_file():
@@ -124,24 +125,35 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunCo
         raise UsageError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(tree, dict):
         raise UsageError(f"{path} must hold a mapping of sections (model, data, ...)")
+    return validate_run_tree(tree, path.stem, overrides)
+
+
+def validate_run_tree(tree: dict[str, Any], name: str, overrides: list[str] = ()
+                      ) -> RunConfig | RLRunConfig:
+    """A run config from its sections: an ``rl:`` run when it has one, else a Trainer run.
+    ``name`` names the default run directory, runs/<name>."""
     for assignment in overrides:
         apply_override(tree, assignment)
     try:
-        config = RunConfig(**tree)
+        config = RLRunConfig(**tree) if "rl" in tree else RunConfig(**tree)
     except ValidationError as exc:
         raise usage_error(exc) from None
+    if config.run.dir is None:
+        config.run.dir = str(Path("runs") / name)
+    if isinstance(config, RLRunConfig):
+        if config.rl.metrics.dir is None:
+            config.rl.metrics.dir = config.run.dir
+        return config
     for section in ("model", "data", "optimizer", "lr_scheduler", "loss"):
         spec = getattr(config, section)
         if spec is not None:
             _check_builder(section, spec)
-    if config.run.dir is None:
-        config.run.dir = str(Path("runs") / path.stem)
     if config.trainer.metrics.dir is None:  # step metrics go to the run directory
         config.trainer.metrics.dir = config.run.dir
     return config
 
 
-def save_run_config(config: RunConfig) -> Path:
+def save_run_config(config: RunConfig | RLRunConfig) -> Path:
     """Write the resolved config into the run directory; returns its path."""
     run_dir = Path(config.run.dir)
     target = run_dir / "config.yaml"

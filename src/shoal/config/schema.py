@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shoal.rl.config import PPOConfig
 from shoal.training.config import TrainerConfig
 
 
@@ -56,5 +57,16 @@ class RunConfig(BaseModel):
     """Returns loss_fn(outputs, targets); default cross-entropy."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """Trainer settings (see shoal.TrainerConfig)."""
+    run: RunSection = Field(default_factory=RunSection)
+    """Run directory and process count."""
+
+
+class RLRunConfig(BaseModel):
+    """A reinforcement learning run: an ``rl:`` section instead of model, data, trainer."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    rl: PPOConfig
+    """The PPO learner and its environments (see shoal.rl.PPOConfig)."""
     run: RunSection = Field(default_factory=RunSection)
     """Run directory and process count."""

@@ -63,8 +63,15 @@ class StepMetrics:
     """Per-step phases of this rank; gathered to rank 0 every ``config.every`` steps."""
 
     def __init__(self, config: MetricsConfig, device: torch.device, rank: int, world: int,
-                 flops_per_token: float | None = None, precision: str = "32"):
+                 flops_per_token: float | None = None, precision: str = "32",
+                 extras: tuple[str, ...] = (), labels: dict[str, str] | None = None):
+        """``extras``: the names of further figures each ``step`` gives (the same on every
+        rank, or averaged over them); ``labels``: names the phases go by in what is
+        printed (reinforcement learning's 'data' is its rollout)."""
         self.config = config
+        self.fields = (*STEP_FIELDS, *extras)
+        self.extras = extras
+        self.labels = labels or {}
         self.device = device
         self.rank, self.world = rank, world
         # MFU: the model's FLOPs for the tokens of a step over what the job's devices could
@@ -90,10 +97,13 @@ class StepMetrics:
         return every is not None and global_step % every == 0
 
     def step(self, global_step: int, epoch: int, lr: float, loss: torch.Tensor,
-             grad_norm: torch.Tensor | None, samples: int, tokens: int, comm) -> None:
+             grad_norm: torch.Tensor | None, samples: int, tokens: int, comm,
+             extras: dict[str, float] | None = None) -> None:
         """Close this step (its clock marks are done); flush when the window is full."""
         self.clock.end_step(comm.wait, comm.blocked)
-        counts = {"samples": float(samples), "tokens": float(tokens), "bytes": comm.bytes}
+        counts = {"samples": float(samples), "tokens": float(tokens), "bytes": comm.bytes,
+                  **{name: float((extras or {}).get(name, float("nan")))
+                     for name in self.extras}}
         self._steps.append((global_step, epoch, lr, counts))
         self._losses.append(loss.detach())
         self._norms.append(grad_norm.detach() if grad_norm is not None else None)
@@ -105,7 +115,7 @@ class StepMetrics:
         if not self._steps:
             return
         phases = self.clock.take()
-        own = torch.tensor([[{**p, **c}[f] for f in STEP_FIELDS]
+        own = torch.tensor([[{**p, **c}[f] for f in self.fields]
                             for p, (*_, c) in zip(phases, self._steps, strict=True)],
                            dtype=torch.float64)
         nan = torch.full((), float("nan"), device=self._losses[0].device)
@@ -128,7 +138,7 @@ class StepMetrics:
 
     def _report(self, table: torch.Tensor) -> None:
         n = len(self._steps)
-        fields = [*STEP_FIELDS, *TENSOR_FIELDS]
+        fields = [*self.fields, *TENSOR_FIELDS]
         per_step = table[:, :n * len(fields)].view(self.world, n, len(fields))
         resources = table[:, n * len(fields):]
         column = {f: per_step[:, :, i] for i, f in enumerate(fields)}
@@ -141,7 +151,8 @@ class StepMetrics:
         first, last = self._steps[0][0], self._steps[-1][0]
         straggler = find_straggler(ranks, self.config.straggler_threshold)
         if straggler and (straggler["rank"], straggler["phase"]) != self._last_straggler:
-            print(f"shoal: {describe(straggler, first, last)}", file=sys.stderr, flush=True)
+            print(f"shoal: {describe(straggler, first, last, self.labels)}", file=sys.stderr,
+                  flush=True)
         self._last_straggler = (straggler["rank"], straggler["phase"]) if straggler else None
         if self.writer is None:
             return
@@ -155,6 +166,9 @@ class StepMetrics:
                       "samples_per_s": column["samples"][:, i].sum().item() / step_time,
                       "phases_s": {p: column[p][:, i].mean().item() for p in PHASES},
                       "comm_bytes": column["bytes"][0, i].item()}
+            for name in self.extras:  # NaN where no rank had a value
+                values = column[name][:, i]
+                record[name] = values.nanmean().item() if values.isfinite().any() else None
             tokens = column["tokens"][:, i].sum().item()
             if tokens:
                 record["tokens_per_s"] = tokens / step_time
@@ -168,6 +182,7 @@ class StepMetrics:
                 "train/tokens_per_s": record.get("tokens_per_s"),
                 "train/mfu": record.get("mfu"),
                 "time/step_s": step_time, "comm/bytes": record["comm_bytes"],
+                **{f"train/{name}": record[name] for name in self.extras},
                 **{f"time/{p}_s": v for p, v in record["phases_s"].items()}})
         self.writer.write({"type": "ranks", "steps": [first, last], "time": now,
                            "ranks": [{"rank": r, **row} for r, row in enumerate(ranks)],
@@ -197,7 +212,7 @@ class StepMetrics:
         """Collective, at the end of training: the last window, then rank 0's table."""
         self.flush()
         if show_summary and self.rank == 0 and self.totals and self.total_steps:
-            print(summary_table(self.totals, self.total_steps), flush=True)
+            print(summary_table(self.totals, self.total_steps, self.labels), flush=True)
             if self.total_tokens and self.total_time:
                 rate = self.total_tokens / self.total_time
                 mfu = f", MFU {self.mfu(rate):.1%}" if self.flops_per_token else ""
@@ -211,10 +226,12 @@ class StepMetrics:
             self.writer.close()
 
 
-def summary_table(totals: list[dict[str, float]], steps: int) -> str:
+def summary_table(totals: list[dict[str, float]], steps: int,
+                  labels: dict[str, str] | None = None) -> str:
     """Every rank's mean step split (ms), CPU % and memory over ``steps`` steps."""
-    header = (f"{'rank':>4} {'step':>8} {'data':>8} {'compute':>8} {'comm':>8} "
-              f"{'optim':>8} {'other':>8} {'cpu %':>7} {'rss MB':>8}")
+    names = {"optimizer": "optim", **(labels or {})}
+    header = (f"{'rank':>4} {'step':>8} " + " ".join(f"{names.get(p, p):>8}" for p in PHASES)
+              + f" {'cpu %':>7} {'rss MB':>8}")
     lines = [f"shoal: time per step by rank over {steps} steps (ms)", header]
     for rank, t in enumerate(totals):
         ms = [t[p] / steps * 1e3 for p in ("step", *PHASES)]

@@ -36,9 +36,11 @@ def find_straggler(ranks: list[dict[str, float]], threshold: float = 0.2) -> dic
             "spread_s": busy[slowest] - min(busy)}
 
 
-def describe(straggler: dict, first_step: int, last_step: int) -> str:
+def describe(straggler: dict, first_step: int, last_step: int,
+             labels: dict[str, str] | None = None) -> str:
     s = straggler
+    phase = (labels or {}).get(s["phase"], s["phase"])
     return (f"straggler at steps {first_step}-{last_step}: rank {s['rank']} is busy "
             f"{s['busy_s'] * 1e3:.1f} ms/step against {s['median_busy_s'] * 1e3:.1f} ms for "
-            f"the median rank; its {s['phase']} phase takes {s['phase_excess_s'] * 1e3:.1f} "
+            f"the median rank; its {phase} phase takes {s['phase_excess_s'] * 1e3:.1f} "
             "ms/step more (the other ranks wait for it in communication)")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from shoal.config.loader import build, load_run_config
 from shoal.config.schema import RunConfig
@@ -40,17 +42,23 @@ def train_from_config(config: RunConfig) -> dict[str, float]:
     return metrics
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="shoal.training.entry")
+def worker_main(prog: str, train: Callable[[Any], object]) -> None:
+    """A worker's command line: read the config (and overrides), ``train`` it, leave the
+    process group."""
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--config", required=True)
     # Nodes other than 0 read the user's config and overrides, not node 0's resolved copy.
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_args()
     from shoal.runtime import dist as rt
 
-    train_from_config(load_run_config(args.config, args.overrides))
-    # The Trainer (and its DDP wrapper) is gone by now; the group can go safely.
+    train(load_run_config(args.config, args.overrides))
+    # The training objects (and their DDP wrappers) are gone by now; the group can go safely.
     rt.cleanup()
+
+
+def main() -> None:
+    worker_main("shoal.training.entry", train_from_config)
 
 
 if __name__ == "__main__":
