@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from tests.checkpoint.test_resume import JOB, _final, _states_equal
-from tests.helpers import REPO, processes_with, run_shoal
+from tests.checkpoint.test_resume import JOB, _final
+from tests.helpers import REPO, processes_with, run_shoal, states_equal
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -49,6 +49,6 @@ def test_signal_saves_exits_and_resumes_exactly(tmp_path, sig):
                     "--no-checkpoints")
     assert out.returncode == 0, out.stderr
     a, b = _final(straight), _final(run)
-    assert _states_equal(a["model"], b["model"]) and _states_equal(a["optimizer"],
+    assert states_equal(a["model"], b["model"]) and states_equal(a["optimizer"],
                                                                    b["optimizer"])
     assert torch.equal(a["rng"], b["rng"])

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from tests.checkpoint.test_resume import JOB, _states_equal
-from tests.helpers import run_shoal
+from tests.checkpoint.test_resume import JOB
+from tests.helpers import run_shoal, states_equal
 
 OPTIONS = {
     "powersgd": {"compression": {"name": "powersgd", "warmup_steps": 2}},
@@ -41,7 +41,7 @@ def test_kill_and_resume_is_exact(tmp_path, option):
         a = torch.load(straight / f"final_rank{rank}.pt", weights_only=True)
         b = torch.load(killed / f"final_rank{rank}.pt", weights_only=True)
         for part in ("model", "optimizer", "comm"):
-            assert _states_equal(a[part], b[part]), (option, rank, part)
+            assert states_equal(a[part], b[part]), (option, rank, part)
     a = torch.load(straight / "final.pt", weights_only=True)
     b = torch.load(killed / "final.pt", weights_only=True)
-    assert _states_equal(a["rng"], b["rng"])
+    assert states_equal(a["rng"], b["rng"])

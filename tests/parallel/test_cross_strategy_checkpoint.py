@@ -16,8 +16,7 @@ import shoal
 from shoal.checkpoint import CheckpointStore
 from shoal.examples import gpt
 from shoal.parallel.zero import gather_optimizer_state, is_zero
-from tests.checkpoint.test_resume import _states_equal
-from tests.helpers import max_rel_diff
+from tests.helpers import max_rel_diff, states_equal
 from tests.parallel.test_sharded import (
     CLIP,
     NO_GRADIENT,
@@ -124,8 +123,8 @@ def _continues_like_one_process(result: dict, label: str) -> None:
 def test_saved_at_two_loads_at_one(runs, saver):
     saved = runs["two"][0][f"{saver}_saved"]
     resumed = runs["one"][f"from_{saver}"]
-    assert _states_equal(resumed["loaded"]["model"], saved["model"])
-    assert _states_equal(resumed["loaded"]["optimizer"], saved["optimizer"])
+    assert states_equal(resumed["loaded"]["model"], saved["model"])
+    assert states_equal(resumed["loaded"]["optimizer"], saved["optimizer"])
     _continues_like_one_process(resumed, f"{saver} W=2 -> ddp W=1")
 
 
@@ -134,8 +133,8 @@ def test_saved_at_one_loads_at_two(runs, loader):
     saved = runs["ddp_w1"]
     for rank, result in enumerate(runs["two"]):
         resumed = result[f"{loader}_from_ddp"]
-        assert _states_equal(resumed["loaded"]["model"], saved["model"]), rank
-        assert _states_equal(resumed["loaded"]["optimizer"], saved["optimizer"]), rank
+        assert states_equal(resumed["loaded"]["model"], saved["model"]), rank
+        assert states_equal(resumed["loaded"]["optimizer"], saved["optimizer"]), rank
         _continues_like_one_process(resumed, f"ddp W=1 -> {loader} W=2, rank {rank}")
 
 
@@ -145,8 +144,8 @@ def test_pipeline_checkpoint_loads_in_one_process(runs):
     saved_model = {k: v for stage in stages for k, v in stage["model"].items()}
     saved_state = {k: v for stage in stages for k, v in stage["optimizer"]["state"].items()}
     resumed = runs["one"]["from_pp"]
-    assert _states_equal(resumed["loaded"]["model"], saved_model)
-    assert _states_equal(resumed["loaded"]["optimizer"]["state"], saved_state)
+    assert states_equal(resumed["loaded"]["model"], saved_model)
+    assert states_equal(resumed["loaded"]["optimizer"]["state"], saved_state)
     _continues_like_one_process(resumed, "pp=2 -> one process")
 
 
@@ -155,8 +154,8 @@ def test_one_process_checkpoint_loads_into_a_pipeline(runs):
     stages = [result["pp_from_ddp"] for result in runs["two"]]
     loaded = {k: v for stage in stages for k, v in stage["loaded"]["model"].items()}
     state = {k: v for stage in stages for k, v in stage["loaded"]["optimizer"]["state"].items()}
-    assert _states_equal(loaded, saved["model"])
-    assert _states_equal(state, saved["optimizer"]["state"])
+    assert states_equal(loaded, saved["model"])
+    assert states_equal(state, saved["optimizer"]["state"])
     final = {k: v for stage in stages for k, v in stage["final"].items()}
     _continues_like_one_process({"step": stages[0]["step"], "final": final},
                                 "one process -> pp=2")
@@ -166,8 +165,8 @@ def test_one_process_checkpoint_loads_under_tensor_parallel(runs):
     saved = runs["ddp_w1"]
     for rank, result in enumerate(runs["two"]):
         resumed = result["tp_from_ddp"]
-        assert _states_equal(resumed["loaded"]["model"], saved["model"]), rank
-        assert _states_equal(resumed["loaded"]["optimizer"], saved["optimizer"]), rank
+        assert states_equal(resumed["loaded"]["model"], saved["model"]), rank
+        assert states_equal(resumed["loaded"]["optimizer"], saved["optimizer"]), rank
         _continues_like_one_process(resumed, f"one process -> tp=2, rank {rank}")
 
 
@@ -184,5 +183,5 @@ def test_checkpoint_numbered_by_an_older_shoal_still_loads(single_process, tmp_p
     monkeypatch.undo()
     resumed = _trainer("ddp", tmp_path, resume="auto")
     resumed.fit(make_dataset(), max_steps=2)  # loads; nothing left to do
-    assert _states_equal(resumed.optimizer.state_dict(), old.optimizer.state_dict())
-    assert _states_equal(resumed.module.state_dict(), old.module.state_dict())
+    assert states_equal(resumed.optimizer.state_dict(), old.optimizer.state_dict())
+    assert states_equal(resumed.module.state_dict(), old.module.state_dict())
