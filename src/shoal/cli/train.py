@@ -83,11 +83,15 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
         announce(spec, cluster)
         importlib.import_module(entry).train_from_config(config)
         return 0
-    if resolved is None and source is None:  # no file of the user's for these workers
-        resolved = _private_copy(config)
+    private = _private_copy(config) if resolved is None and source is None else None
     # The others read the config and overrides themselves, without waiting for the file.
-    spec.args = ["--config", str(resolved or source), *([] if resolved else overrides)]
-    return start(spec, cluster)
+    config_file = resolved or private or source
+    spec.args = ["--config", str(config_file), *([] if resolved or private else overrides)]
+    try:
+        return start(spec, cluster)
+    finally:
+        if private is not None:
+            private.unlink(missing_ok=True)
 
 
 def _private_copy(config: Any) -> Path:

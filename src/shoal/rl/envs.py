@@ -10,6 +10,7 @@ cannot be captured, and is refused when a checkpoint is written.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 from typing import Any, NamedTuple
 
@@ -43,6 +44,7 @@ def _import_registering_module(env_id: str) -> str:
     return name if sep else env_id
 
 
+@functools.cache  # the config's check and the learner's ask once per process, not twice
 def check_env(env_id: str) -> EnvInfo:
     """The environment's spaces; a ValueError naming the closest ids when ``env_id`` is not
     registered, or the space when the learner cannot handle it."""
