@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from shoal.cli import bench as bench_cmd
+from shoal.cli import dashboard as dashboard_cmd
 from shoal.cli import data as data_cmd
 from shoal.cli import doctor as doctor_cmd
 from shoal.cli import env as env_cmd
@@ -28,6 +29,7 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     doctor_cmd.register(subparsers)
     bench_cmd.register(subparsers)
     data_cmd.register(subparsers)
+    dashboard_cmd.register(subparsers)
     intermixed = {"train": train, "rl": rl_cmd.register(subparsers),
                   "slurm": slurm_cmd.register(subparsers),
                   "k8s": k8s_cmd.register(subparsers)}

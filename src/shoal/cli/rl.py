@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from shoal.cli.dashboard import add_dashboard_arguments
 from shoal.cli.run import add_fetch_arguments, add_launch_arguments
 
 
@@ -22,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="environment steps of the whole job (default 100000)")
     add_launch_arguments(parser)
     add_fetch_arguments(parser)
+    add_dashboard_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="rl settings; the value is read as YAML")
     parser.set_defaults(handler=rl_command, command="rl")

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from shoal.cli.dashboard import add_dashboard_arguments, serve_during
 from shoal.cli.run import (
     add_fetch_arguments,
     add_launch_arguments,
@@ -31,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, metavar="RUN.yaml", help="the run config")
     add_launch_arguments(parser)
     add_fetch_arguments(parser)
+    add_dashboard_arguments(parser)
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="override config values; the value is read as YAML")
     parser.set_defaults(handler=train_command, command="train")
@@ -57,6 +59,9 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
     entry = "shoal.rl.entry" if rl else "shoal.training.entry"
     if args.nproc_per_node is not None:
         config.run.nproc_per_node = args.nproc_per_node  # validated again by spec_from_args
+    if getattr(args, "dashboard", False) and args.log_dir is None:
+        # Logs and heartbeats in the run directory: the dashboard names a rank that stops.
+        args.log_dir = str(Path(config.run.dir) / "logs")
     cluster = detect_cluster(args)
     spec = spec_from_args(args, entry, [], module=True,
                           nproc_default=config.run.nproc_per_node, cluster=cluster)
@@ -79,19 +84,21 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
     if fetched:
         return fetched
     resolved = save_run_config(config) if first else None
-    if spec.world_size == 1 and not in_place:
-        announce(spec, cluster)
-        importlib.import_module(entry).train_from_config(config)
-        return 0
-    private = _private_copy(config) if resolved is None and source is None else None
-    # The others read the config and overrides themselves, without waiting for the file.
-    config_file = resolved or private or source
-    spec.args = ["--config", str(config_file), *([] if resolved or private else overrides)]
-    try:
-        return start(spec, cluster)
-    finally:
-        if private is not None:
-            private.unlink(missing_ok=True)
+    metrics_dir = (config.rl.metrics if rl else config.trainer.metrics).dir or config.run.dir
+    with serve_during(args, metrics_dir if first else None):
+        if spec.world_size == 1 and not in_place:
+            announce(spec, cluster)
+            importlib.import_module(entry).train_from_config(config)
+            return 0
+        private = _private_copy(config) if resolved is None and source is None else None
+        # The others read the config and overrides themselves, without waiting for the file.
+        config_file = resolved or private or source
+        spec.args = ["--config", str(config_file), *([] if resolved or private else overrides)]
+        try:
+            return start(spec, cluster)
+        finally:
+            if private is not None:
+                private.unlink(missing_ok=True)
 
 
 def _private_copy(config: Any) -> Path:

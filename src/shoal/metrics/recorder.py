@@ -9,6 +9,7 @@ run rank 0 prints a table: every rank's mean step split, CPU and memory.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shoal.metrics.flops import peak_flops
 from shoal.metrics.resources import FIELDS as RESOURCE_FIELDS
-from shoal.metrics.resources import ResourceSampler
+from shoal.metrics.resources import ResourceSampler, memory_limit
 from shoal.metrics.steps import PHASES, StepClock
 from shoal.metrics.stragglers import describe, find_straggler
 from shoal.metrics.writer import MetricsWriter
@@ -64,10 +65,12 @@ class StepMetrics:
 
     def __init__(self, config: MetricsConfig, device: torch.device, rank: int, world: int,
                  flops_per_token: float | None = None, precision: str = "32",
-                 extras: tuple[str, ...] = (), labels: dict[str, str] | None = None):
+                 extras: tuple[str, ...] = (), labels: dict[str, str] | None = None,
+                 start_step: int = 0, resumed: bool = False):
         """``extras``: the names of further figures each ``step`` gives (the same on every
         rank, or averaged over them); ``labels``: names the phases go by in what is
-        printed (reinforcement learning's 'data' is its rollout)."""
+        printed (reinforcement learning's 'data' is its rollout); ``start_step`` and
+        ``resumed``: where this start of the job begins, marked in metrics.jsonl."""
         self.config = config
         self.fields = (*STEP_FIELDS, *extras)
         self.extras = extras
@@ -91,6 +94,16 @@ class StepMetrics:
         self.total_steps = 0
         self.total_tokens = self.total_time = 0.0  # rank 0: the job's tokens and step time
         self._last_straggler: tuple[int, str] | None = None
+        # A start (and each restart or resume) is marked, for the dashboard's curves.
+        self.record("event", start_step, kind="resume" if resumed else "start",
+                    world_size=world, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                    memory_limit_bytes=memory_limit())
+
+    def record(self, type_: str, step: int, /, **fields) -> None:
+        """A line of type ``type_`` at ``step`` in metrics.jsonl (rank 0; others: no-op),
+        e.g. validation results, or an event: start, resume, end."""
+        if self.writer is not None:
+            self.writer.write({"type": type_, "step": step, "time": time.time(), **fields})
 
     def wants_grad_norm(self, global_step: int) -> bool:
         every = self.config.grad_norm_every
@@ -165,7 +178,9 @@ class StepMetrics:
                       "step_time_s": step_time,
                       "samples_per_s": column["samples"][:, i].sum().item() / step_time,
                       "phases_s": {p: column[p][:, i].mean().item() for p in PHASES},
-                      "comm_bytes": column["bytes"][0, i].item()}
+                      "comm_bytes": column["bytes"][0, i].item(),
+                      "rank_step_s": column["step"][:, i].tolist(),
+                      "rank_comm_s": column["comm"][:, i].tolist()}
             for name in self.extras:  # NaN where no rank had a value
                 values = column[name][:, i]
                 record[name] = values.nanmean().item() if values.isfinite().any() else None

@@ -24,6 +24,18 @@ def _nvml_handle(device: torch.device):
         return None
 
 
+def memory_limit() -> int:
+    """Bytes this process's memory may reach: its cgroup's limit where one is set, else the
+    machine's memory."""
+    total = psutil.virtual_memory().total
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+    except OSError:
+        return total
+    return min(int(text), total) if text.isdigit() else total
+
+
 class ResourceSampler:
     """Samples every ``interval`` seconds; ``take()`` returns the means since the last call
     (NaN for figures this machine does not have)."""

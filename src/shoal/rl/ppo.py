@@ -152,7 +152,8 @@ class PPO:
                   f"({self.num_updates * self.global_batch:,} steps)"
                   + (f", from update {self.update}" if self.update else ""))
         metrics = StepMetrics(c.metrics, self.device, self.rank, self.world, extras=EXTRAS,
-                              labels=LABELS) if c.metrics.enabled else None
+                              labels=LABELS, start_step=self.update,
+                              resumed=self.update > 0) if c.metrics.enabled else None
         clock = metrics.clock if metrics else None
         watch = PreemptionWatch(self.device) if self.store else None
         start, start_steps = time.perf_counter(), self.env_steps
@@ -196,6 +197,8 @@ class PPO:
                     window = [0.0, 0.0, 0.0]
                 if c.eval_every and self.update % c.eval_every == 0:
                     stop = self._evaluate_and_agree()
+                    if metrics:
+                        metrics.record("validation", self.update, eval_return=self.eval_return)
                 if clock:
                     clock.skip()
                 if self.store:
@@ -206,6 +209,7 @@ class PPO:
                         self._stop_for(signum, metrics)
             if metrics:
                 metrics.finish(show_summary=c.progress)
+                metrics.record("event", self.update, kind="end")
         finally:
             if watch:
                 watch.stop()

@@ -167,7 +167,9 @@ class Trainer:
         self._preemption = PreemptionWatch(self.harness.device) if self.checkpointing else None
         h = self.harness
         self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size,
-                                    self.flops_per_token, c.precision) \
+                                    self.flops_per_token, c.precision,
+                                    start_step=self.global_step,
+                                    resumed=bool(c.resume) and self.global_step > 0) \
             if c.metrics.enabled else None
         try:
             if self._preemption:
@@ -180,6 +182,10 @@ class Trainer:
                 metrics = {"epoch": self.epoch, **train}
                 if val_data is not None:
                     metrics.update(self.validate(val_data))
+                    if self._metrics:
+                        self._metrics.record("validation", self.global_step, epoch=self.epoch,
+                                             **{k: v for k, v in metrics.items()
+                                                if k.startswith("val_")})
                 self.history.append(metrics)
                 self._report_epoch(metrics, progress)
                 if epoch_done:
@@ -189,6 +195,7 @@ class Trainer:
                     break
             if self._metrics:
                 self._metrics.finish(show_summary=c.progress)
+                self._metrics.record("event", self.global_step, kind="end")
         finally:
             progress.close()
             if self._preemption:

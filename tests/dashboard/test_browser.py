@@ -1,0 +1,123 @@
+"""The page in a real headless Chromium: a run still being written, drawn live, no errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+from tests.dashboard.synthetic import event_line, run_lines, step_line, window_line
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture
+def browser():
+    if not (CHROMIUM and DRIVER):
+        message = "needs Debian's chromium and chromium-driver (.ci/run installs them)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1400,1400"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(DRIVER))
+    yield driver
+    driver.quit()
+
+
+def _wait(driver, script, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = driver.execute_script(script)
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out: {script}; console: {driver.get_log('browser')}")
+
+
+class Writer(threading.Thread):
+    """A job's rank 0 as the dashboard sees it: a step every 50 ms, a window every 10."""
+
+    def __init__(self, directory, first):
+        super().__init__(daemon=True)
+        self.path, self.step, self.stop = directory / "metrics.jsonl", first, False
+
+    def run(self):
+        with open(self.path, "a", buffering=1) as f:
+            while not self.stop:
+                self.step += 1
+                f.write(step_line(self.step, slow_rank=1) + "\n")
+                if self.step % 10 == 0:
+                    f.write(window_line(self.step - 9, self.step, slow_rank=1) + "\n")
+                time.sleep(0.05)
+
+
+def _errors(driver):
+    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+@pytest.mark.timeout(120)
+def test_a_run_being_written_is_drawn_live(serve, browser, tmp_path):
+    run = tmp_path / "digits"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        "\n".join([event_line("start", 0)] + run_lines(200, slow_rank=1)
+                  + [event_line("start", 150, restart=1)] + run_lines(50, start=151,
+                                                                      slow_rank=1)) + "\n")
+    writer = Writer(run, 200)
+    base = serve([run], token="t0k")
+    writer.start()
+    try:
+        browser.get(f"{base}/?token=t0k")
+        first = int(_wait(browser, "return document.body.dataset.lastStep"))
+        assert first >= 200
+        seen = time.monotonic()
+        later = int(_wait(browser, f"const s = document.body.dataset.lastStep; "
+                                   f"return Number(s) > {writer.step} && s", timeout=3.0))
+        assert later > first and time.monotonic() - seen < 3.0
+    finally:
+        writer.stop = True
+        writer.join()
+    # The straggler by name and phase, the heatmap drawn, every chart there.
+    banner = _wait(browser, "return document.getElementById('straggler').textContent")
+    assert "rank 1, in its data phase" in banner
+    assert browser.execute_script("""
+        const c = document.getElementById('heat-comm');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        return new Set(Array.from(d.filter((_, i) => i % 4 === 0))).size;""") > 1
+    assert browser.execute_script("return document.querySelectorAll('.uplot').length") >= 6
+    assert _errors(browser) == []
+
+
+@pytest.mark.timeout(120)
+def test_runs_overlaid_and_an_alert_shown(serve, browser, tmp_path):
+    dirs = []
+    for name, steps in (("first", 120), ("second", 80)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("\n".join(
+            [event_line("start", 0)] + run_lines(steps) + [step_line(steps + 1, loss=float("nan"))]
+        ) + "\n")
+        dirs.append(d)
+    base = serve(dirs)
+    browser.get(base + "/")
+    _wait(browser, "return document.body.dataset.lastStep")
+    legend = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#loss .u-legend th'))"
+        ".map(e => e.textContent).join('|')")
+    assert "first loss" in legend and "second loss" in legend
+    alerts = _wait(browser, "return document.getElementById('alerts').textContent")
+    assert "first: the loss is not finite at step 121" in alerts
+    assert "second: the loss is not finite at step 81" in alerts
+    assert _errors(browser) == []

@@ -1,0 +1,57 @@
+"""Lines are read from a byte offset: never twice, and never half."""
+
+from __future__ import annotations
+
+from shoal.dashboard import tail
+from shoal.dashboard.tail import LineTail
+
+
+def test_a_partial_last_line_waits_until_it_is_whole(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"b": 2}\n{"c":')
+    t = LineTail(path)
+    assert list(t.lines()) == [b'{"a": 1}', b'{"b": 2}']
+    assert t.offset == len(b'{"a": 1}\n{"b": 2}\n')
+    assert list(t.lines()) == [] and t.grew()  # the half line is there, not yet read
+    with open(path, "ab") as f:
+        f.write(b' 3}\n{"d": 4}\n')
+    assert list(t.lines()) == [b'{"c": 3}', b'{"d": 4}']
+    assert list(t.lines()) == [] and t.offset == path.stat().st_size
+
+
+def test_only_new_bytes_are_read(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"".join(b"line %d\n" % i for i in range(1000)))
+    reads = []
+    real_open = open
+
+    def counting_open(name, mode="r", *args, **kwargs):
+        handle = real_open(name, mode, *args, **kwargs)
+        original = handle.read
+        handle.read = lambda n=-1: reads.append(len(data := original(n))) or data
+        return handle
+
+    monkeypatch.setattr(tail, "CHUNK", 1000)  # lines straddle chunk ends
+    monkeypatch.setattr("builtins.open", counting_open)
+    t = LineTail(path)
+    assert [int(x.split()[1]) for x in t.lines()] == list(range(1000))
+    first = sum(reads)
+    assert first == path.stat().st_size
+    with real_open(path, "ab") as f:
+        f.write(b"line 1000\n")
+    assert list(t.lines()) == [b"line 1000"]
+    assert sum(reads) - first == len(b"line 1000\n")
+
+
+def test_a_file_started_anew_is_read_from_its_start(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"one\ntwo\nthree\n")
+    t = LineTail(path)
+    assert len(list(t.lines())) == 3
+    path.write_bytes(b"new\n")
+    assert list(t.lines()) == [b"new"] and t.replaced
+
+
+def test_a_missing_file_is_no_error(tmp_path):
+    t = LineTail(tmp_path / "metrics.jsonl")
+    assert list(t.lines()) == [] and not t.grew()
