@@ -58,3 +58,15 @@ def test_lines_that_are_not_json_are_counted_and_skipped(tmp_path):
     run = RunWatch(tmp_path, 0)
     run.poll()
     assert run.bad_lines == 2 and len(run.points) == 1
+
+
+def test_a_metrics_file_started_anew_starts_the_run_anew(tmp_path):
+    _write(tmp_path, [event_line("start", 0)] + run_lines(50))
+    run = RunWatch(tmp_path, 0)
+    run.poll()
+    run.name = "kept"
+    _write(tmp_path, [event_line("start", 0)] + run_lines(3), mode="w")
+    change = run.poll()
+    assert [p["step"] for p in change["points"]] == [1, 2, 3] and run.name == "kept"
+    assert change["reset"]
+    assert [p["step"] for p in run.points] == [1, 2, 3]

@@ -176,3 +176,12 @@ def test_off_the_loopback_it_warns_and_requires_a_token(tmp_path):
         proc.terminate()
         proc.wait(timeout=10)
     assert "warning: listening on 0.0.0.0, reachable from other machines" in proc.stderr.read()
+
+
+def test_runs_of_the_same_name_are_told_apart(serve, tmp_path):
+    dirs = [tmp_path / "a" / "digits", tmp_path / "b" / "digits"]
+    for d in dirs:
+        d.mkdir(parents=True)
+        _append(d, [event_line("start", 0), step_line(1)])
+    runs = json.loads(_get(serve(dirs) + "/api/snapshot")[1])["runs"]
+    assert [r["name"] for r in runs] == ["a/digits", "b/digits"]

@@ -59,8 +59,10 @@ class RunWatch:
             self._take_block(block, new)
         if self.tail.replaced:  # the file was started anew: so is everything known of it
             self.tail.replaced = False
+            name = self.name
             self.__init__(self.dir, self.index, self.cap, self.window_cap)
-            return self.poll() or {"reset": True}
+            self.name = name
+            return {**(self.poll() or {}), "reset": True}  # the page starts anew too
         if not any(new.values()):
             return None
         self.last_growth = time.time()

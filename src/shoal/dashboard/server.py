@@ -44,6 +44,10 @@ class Hub:
     def __init__(self, directories: list[str | Path], settings: AlertSettings | None = None,
                  say: Callable[[str], None] | None = None):
         self.runs = [RunWatch(d, i) for i, d in enumerate(directories)]
+        names = [run.name for run in self.runs]
+        for run in self.runs:  # runs/a/digits and runs/b/digits: a/digits and b/digits
+            if names.count(run.name) > 1:
+                run.name = f"{run.dir.resolve().parent.name}/{run.name}"
         self.settings = settings or AlertSettings()
         self.alerts: dict[int, dict[str, str]] = {run.index: {} for run in self.runs}
         self.say = say if say is not None else _to_terminal
