@@ -185,3 +185,16 @@ def test_runs_of_the_same_name_are_told_apart(serve, tmp_path):
         _append(d, [event_line("start", 0), step_line(1)])
     runs = json.loads(_get(serve(dirs) + "/api/snapshot")[1])["runs"]
     assert [r["name"] for r in runs] == ["a/digits", "b/digits"]
+
+
+def test_a_taken_port_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _cli(str(tmp_path), "--port", str(port))
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"shoal dashboard: error: --port {port} on 127.0.0.1 is "
+                                 "already in use") and out.stderr.count("\n") == 1

@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import os
 import secrets
-import socket
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "127.0.0.1 unless --host says otherwise.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
                         help="run directories (each holds a metrics.jsonl, or will)")
-    add_server_arguments(parser, port_flag="--port")
+    add_server_arguments(parser, prefix="")
     parser.add_argument("--silence", type=float, default=60.0, metavar="SECONDS",
                         help="alert when a run that has not ended wrote nothing for this long "
                         "(default 60)")
@@ -36,12 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
-def add_server_arguments(parser: argparse.ArgumentParser, port_flag: str) -> None:
-    parser.add_argument("--host" if port_flag == "--port" else "--dashboard-host",
-                        dest="dashboard_host", default="127.0.0.1",
+def add_server_arguments(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """--{prefix}host, --{prefix}port and --token-file."""
+    parser.add_argument(f"--{prefix}host", dest="dashboard_host", default="127.0.0.1",
                         help="address the dashboard listens on (default 127.0.0.1: this "
                         "machine only)")
-    parser.add_argument(port_flag, dest="dashboard_port", type=int, default=8000,
+    parser.add_argument(f"--{prefix}port", dest="dashboard_port", type=int, default=8000,
                         help="the dashboard's port (default 8000; 0: any free port)")
     parser.add_argument("--token-file", dest="dashboard_token_file", default=None,
                         help="a file holding the token every request must carry (default: "
@@ -52,51 +51,33 @@ def add_dashboard_arguments(parser: argparse.ArgumentParser) -> None:
     """`shoal train --dashboard`: node 0 serves the run's dashboard while it trains."""
     parser.add_argument("--dashboard", action="store_true",
                         help="serve the run's live dashboard from node 0 while it trains")
-    add_server_arguments(parser, port_flag="--dashboard-port")
+    add_server_arguments(parser, prefix="dashboard-")
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    if args.dashboard_token_file:
-        try:
-            token = Path(args.dashboard_token_file).read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"--token-file {args.dashboard_token_file}: {exc.strerror}") \
-                from None
-        if not token:
-            raise UsageError(f"--token-file {args.dashboard_token_file} is empty")
-        return token
-    if os.environ.get(TOKEN_VARIABLE):
-        return os.environ[TOKEN_VARIABLE]
-    if not _loopback(args.dashboard_host):
+    from shoal.data.serve import ReplicateError, is_loopback, read_token
+
+    try:
+        token = read_token(None, args.dashboard_token_file)
+    except ReplicateError as exc:
+        raise UsageError(str(exc)) from None
+    token = token or os.environ.get(TOKEN_VARIABLE) or None
+    if token is None and not is_loopback(args.dashboard_host):
         return secrets.token_urlsafe(16)
-    return None
-
-
-def _loopback(host: str) -> bool:
-    from shoal.dashboard.server import LOOPBACK
-
-    return host in LOOPBACK or host.startswith("127.")
-
-
-def _check_port(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise UsageError(f"the dashboard cannot listen on {host}:{port}: {exc.strerror} "
-                             "(choose another port; 0 picks a free one)") from None
+    return token
 
 
 def open_server(args: argparse.Namespace, directories: list[str], **settings):
     """The dashboard of ``directories``, checked and ready to serve, and what to tell."""
     from shoal.dashboard.server import Server, create_app
+    from shoal.data.serve import is_loopback
+    from shoal.launch.ports import check_port_free
 
     token = _token(args)
     host = args.dashboard_host
-    _check_port(host, args.dashboard_port)
-    if not _loopback(host):
+    flag = "--port" if args.command == "dashboard" else "--dashboard-port"
+    check_port_free(host, args.dashboard_port, flag, f"give {flag} 0 to pick a free one")
+    if not is_loopback(host):
         print(f"shoal dashboard: warning: listening on {host}, reachable from other "
               "machines; every request needs the token", file=sys.stderr, flush=True)
     app = create_app(directories, token=token, **settings)

@@ -177,9 +177,6 @@ def _event(name: str, data) -> str:
     return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
 def url_of(host: str, port: int, token: str | None) -> str:
     shown = f"[{host}]" if ":" in host else host
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else shown

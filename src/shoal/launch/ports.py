@@ -14,15 +14,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise a UsageError naming the port when something already listens on it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def check_port_free(host: str, port: int, flag: str = "--master-port",
+                    advice: str = "leave --master-port out on one node to pick a free one"
+                    ) -> None:
+    """Raise a UsageError naming the port (given as ``flag``) when something already
+    listens on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         # SO_REUSEADDR: a port in TIME_WAIT is fine for the store; a live listener still fails.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise UsageError(
-                f"--master-port {port} on {host} is already in use ({exc.strerror}); "
-                "choose another port, or leave --master-port out on one node to pick a free one"
-            ) from None
+            raise UsageError(f"{flag} {port} on {host} is already in use ({exc.strerror}); "
+                             f"choose another port, or {advice}") from None

@@ -167,35 +167,27 @@ function draw() {
   document.body.dataset.points = String(runs.reduce((n, r) => n + r.points.length, 0));
 }
 
+// A line of `field` per run, and its `dotField` validations as dots.
+function lineWithDots(id, field, dotField, label, dotLabel, shown) {
+  const series = [], tables = [];
+  runs.forEach((run, i) => {
+    if (!shown[i]) return;
+    series.push({label: `${run.name} ${label}`, stroke: color(i), spanGaps: true});
+    tables.push([run.points.map((p) => p.step), column(run.points, field)]);
+    const dots = run.validation.filter((v) => v[dotField] !== undefined);
+    series.push({label: `${run.name} ${dotLabel}`, stroke: color(i), width: 0,
+      points: {show: true, size: 7, fill: color(i)}});
+    tables.push([dots.map((v) => v.step), column(dots, dotField)]);
+  });
+  plotJoined(id, series, tables, {marks: runs.map((_, i) => i)});
+}
+
 function drawCurves() {
   const all = runs.map((_, i) => i);
-  // Loss: a line per run, its validations as dots.
-  const lossSeries = [], lossTables = [];
-  runs.forEach((run, i) => {
-    lossSeries.push({label: `${run.name} loss`, stroke: color(i), spanGaps: true});
-    lossTables.push([run.points.map((p) => p.step), column(run.points, "loss")]);
-    const val = run.validation.filter((v) => v.val_loss !== undefined);
-    lossSeries.push({label: `${run.name} val_loss`, stroke: color(i), width: 0,
-      points: {show: true, size: 7, fill: color(i)}});
-    lossTables.push([val.map((v) => v.step), column(val, "val_loss")]);
-  });
-  plotJoined("loss", lossSeries, lossTables, {marks: all});
-
+  lineWithDots("loss", "loss", "val_loss", "loss", "val_loss", runs.map(() => true));
   const rl = runs.map(isRL);
   $("return-panel").hidden = !rl.some(Boolean);
-  if (rl.some(Boolean)) {
-    const series = [], tables = [];
-    runs.forEach((run, i) => {
-      if (!rl[i]) return;
-      series.push({label: `${run.name} return`, stroke: color(i), spanGaps: true});
-      tables.push([run.points.map((p) => p.step), column(run.points, "episode_return")]);
-      const ev = run.validation.filter((v) => v.eval_return !== undefined);
-      series.push({label: `${run.name} eval`, stroke: color(i), width: 0,
-        points: {show: true, size: 7, fill: color(i)}});
-      tables.push([ev.map((v) => v.step), column(ev, "eval_return")]);
-    });
-    plotJoined("return", series, tables, {marks: all});
-  }
+  if (rl.some(Boolean)) lineWithDots("return", "episode_return", "eval_return", "return", "eval", rl);
   $("throughput-title").textContent = rl.every(Boolean) ? "environment steps/s" :
     rl.some(Boolean) ? "samples/s (environment steps/s for RL runs)" : "samples/s";
   perRun("throughput", "samples_per_s", all);
