@@ -10,6 +10,7 @@ from shoal.cli import data as data_cmd
 from shoal.cli import doctor as doctor_cmd
 from shoal.cli import env as env_cmd
 from shoal.cli import k8s as k8s_cmd
+from shoal.cli import remote as remote_cmd
 from shoal.cli import rl as rl_cmd
 from shoal.cli import run as run_cmd
 from shoal.cli import slurm as slurm_cmd
@@ -30,6 +31,7 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     bench_cmd.register(subparsers)
     data_cmd.register(subparsers)
     dashboard_cmd.register(subparsers)
+    remote_cmd.register(subparsers)
     intermixed = {"train": train, "rl": rl_cmd.register(subparsers),
                   "slurm": slurm_cmd.register(subparsers),
                   "k8s": k8s_cmd.register(subparsers)}

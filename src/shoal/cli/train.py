@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,10 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
         config.run.nproc_per_node = spec.nproc_per_node
         first = spec.node_rank == 0
     check_gpus(config.rl.backend if rl else config.trainer.backend, config.run.nproc_per_node)
+    if not rl and config.remote_hardware is not None:
+        from shoal.remote.tier import probe
+
+        print(f"shoal: {probe(config.remote_hardware)}", file=sys.stderr, flush=True)
     fetched = fetch_first(args, cluster)  # the data is in place before anything is built
     if fetched:
         return fetched

@@ -148,6 +148,9 @@ def validate_run_tree(tree: dict[str, Any], name: str, overrides: list[str] = ()
         spec = getattr(config, section)
         if spec is not None:
             _check_builder(section, spec)
+    if config.remote_hardware is not None:
+        import_builder(config.remote_hardware.tier_plugin, "remote_hardware.tier_plugin")
+        config.remote_hardware.token()  # readable now, not first in every worker
     if config.trainer.metrics.dir is None:  # step metrics go to the run directory
         config.trainer.metrics.dir = config.run.dir
     return config

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shoal.remote.tier import RemoteConfig
 from shoal.rl.config import PPOConfig
 from shoal.training.config import TrainerConfig
 
@@ -59,6 +60,18 @@ class RunConfig(BaseModel):
     """Trainer settings (see shoal.TrainerConfig)."""
     run: RunSection = Field(default_factory=RunSection)
     """Run directory and process count."""
+    remote_hardware: RemoteConfig | None = None
+    """A remote tier for the model's RemoteModule (see docs/remote.md)."""
+
+    @model_validator(mode="after")
+    def _remote_strategy(self) -> RunConfig:
+        t = self.trainer
+        if self.remote_hardware is not None and (
+                t.strategy in ("zero2", "fsdp") or t.parallel.model_parallel):
+            raise ValueError("remote_hardware: a RemoteModule's parameters stay whole on each "
+                             "rank; use strategy ddp, zero1, local_sgd or diloco, without "
+                             "tensor or pipeline parallelism")
+        return self
 
 
 class RLRunConfig(BaseModel):

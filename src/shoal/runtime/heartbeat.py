@@ -41,6 +41,14 @@ def read(path: str) -> tuple[float, int, int] | None:
     return struct.unpack(_FORMAT, data) if len(data) == SIZE else None
 
 
+_last_step = 0
+
+
+def last_step() -> int:
+    """The step this process last reported with ``heartbeat`` (0 before any)."""
+    return _last_step
+
+
 def enable_from_environment() -> None:
     """Called by the worker bootstrap: set up this rank's beat file and stack dumps."""
     global _map, _stack_file
@@ -60,7 +68,9 @@ def enable_from_environment() -> None:
 
 
 def heartbeat(step: int) -> None:
-    """Tell the launcher this rank made progress (reached ``step``). Cheap; no-op unless
-    launched by `shoal run`."""
+    """Tell the launcher this rank made progress (reached ``step``). Cheap; the file is
+    written only when launched by `shoal run`."""
+    global _last_step
+    _last_step = step
     if _map is not None:
         _map[:SIZE] = struct.pack(_FORMAT, time.time(), step, os.getpid())

@@ -35,6 +35,7 @@ from shoal.checkpoint import CheckpointError, CheckpointStore, rng, tree
 from shoal.errors import UsageError
 from shoal.parallel.pipeline_parallel import placed_in_stage
 from shoal.parallel.zero import gather_optimizer_state, is_zero, load_optimizer_state
+from shoal.remote.module import remote_modules
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness
 
@@ -112,7 +113,8 @@ class Checkpointing:
                 "consumed": consumed, "batch_size": c.batch_size,
                 "global_batch": t.harness.dims.dp * c.batch_size * t.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
-                "run_config": t.run_config}
+                "run_config": t.run_config,
+                "remote": {name: m.tier_state() for name, m in remote_modules(t.module).items()}}
         path = self.store.save(t.global_step, shared, own, meta)
         self.saved_step = t.global_step
         self.saved_at = time.monotonic()
@@ -140,6 +142,10 @@ class Checkpointing:
         _check_model_fits(path, model_state, live)
         load_model_and_optimizer_state(t.state_model, t.optimizer, model_state,
                                        optimizer_state)
+        live_remote = remote_modules(t.module)
+        for name, state in meta.get("remote", {}).items():
+            if name in live_remote:
+                live_remote[name].load_tier_state(state)
         t.harness.precision.load_state_dict(shared["scaler"])
         if t.lr_scheduler is not None and "lr_scheduler" in shared:
             t.lr_scheduler.load_state_dict(shared["lr_scheduler"])

@@ -7,6 +7,7 @@ Run by the launcher as ``python -m shoal.training.entry --config RUN_DIR/config.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -19,9 +20,25 @@ from shoal.config.schema import RunConfig
 def train_from_config(config: RunConfig) -> dict[str, float]:
     """Build model, data, optimizer (and scheduler, loss) from ``config`` and train."""
     from shoal.runtime import dist as rt
-    from shoal.training.trainer import Trainer
 
     rt.init(config.trainer.backend)
+    with _remote_tier(config):
+        return _train(config)
+
+
+def _remote_tier(config: RunConfig) -> contextlib.AbstractContextManager:
+    """The run's remote tier, for the model's RemoteModule, while the run trains."""
+    if config.remote_hardware is None:
+        return contextlib.nullcontext()
+    from shoal.remote import load_tier, using
+
+    return using(load_tier(config.remote_hardware))
+
+
+def _train(config: RunConfig) -> dict[str, float]:
+    from shoal.runtime import dist as rt
+    from shoal.training.trainer import Trainer
+
     model = build(config.model)
     data = build(config.data)
     train_data, val_data = data if isinstance(data, tuple) else (data, None)

@@ -1,0 +1,162 @@
+"""``GrpcRemoteTier``: the reference remote tier, a client of `shoal remote serve`."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shoal.errors import UsageError
+from shoal.remote import wire
+from shoal.remote.server import NEEDS_STATE, SERVICE, channel_options
+from shoal.remote.tier import Capabilities, RemoteConfig, RemoteTierError
+
+# Lost connections: tried again with the same request id.
+_RETRY = {grpc.StatusCode.UNAVAILABLE}
+
+
+class NeedsState(RemoteTierError):
+    """The server holds no module state for this session (new, or the server restarted)."""
+
+
+class GrpcRemoteTier:
+    """Calls a `shoal remote serve` server over one gRPC channel (TLS unless the endpoint is
+    loopback or the config says insecure), with the bearer token on every call, keepalive,
+    a deadline on every call, and retries of lost connections under the same request id."""
+
+    def __init__(self, config: RemoteConfig | dict[str, Any]):
+        self.config = config if isinstance(config, RemoteConfig) else RemoteConfig(**config)
+        self.endpoint = self.config.endpoint
+        token = self.config.token()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = channel_options() + [("grpc.enable_retries", 0)]
+        if self.config.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.config.tls_server_name))
+        if self.config.tls_ca:
+            try:
+                with open(self.config.tls_ca, "rb") as f:
+                    ca = f.read()
+            except OSError as exc:
+                raise UsageError(f"remote_hardware.tls_ca {self.config.tls_ca}: "
+                                 f"{exc.strerror}") from None
+            self._channel = grpc.secure_channel(
+                self.endpoint, grpc.ssl_channel_credentials(root_certificates=ca), options)
+        else:
+            self._channel = grpc.insecure_channel(self.endpoint, options)
+        self._call = self._channel.stream_stream(f"/{SERVICE}/Call")
+        self._capabilities = self._channel.unary_unary(f"/{SERVICE}/Capabilities")
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.session = uuid.uuid4().hex
+        self._served: Capabilities | None = None
+        self.calls = 0
+
+    # -- RemoteTier --------------------------------------------------------------------
+
+    def capabilities(self) -> Capabilities:
+        if self._served is None:
+            if self.config.on_failure == "wait":
+                self.wait_until_healthy(self.config.wait_s)
+            try:
+                raw = self._capabilities(b"", timeout=self.config.deadline_s,
+                                         metadata=self._metadata)
+            except grpc.RpcError as exc:
+                raise self._error("connect", None, exc, 1, 0.0) from None
+            info = json.loads(raw)
+            self._served = Capabilities(
+                module=info["module"], device=info["device"], torch=info["torch"],
+                parameters={k: tuple(v) for k, v in info["parameters"].items()},
+                buffers={k: tuple(v) for k, v in info["buffers"].items()})
+        return self._served
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE),
+                                       timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def call(self, op: str, tensors: dict[str, torch.Tensor], *, meta: dict[str, Any],
+             step: int | None, deadline_s: float | None = None
+             ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        deadline = time.monotonic() + (deadline_s or self.config.deadline_s)
+        header = {**meta, "op": op, "session": self.session, "step": step,
+                  "request_id": uuid.uuid4().hex}
+        self.calls += 1
+        tries, started = 0, time.monotonic()
+        while True:
+            tries += 1
+            left = deadline - time.monotonic()
+            try:
+                replies = self._call(wire.encode(header, tensors), timeout=max(left, 0.001),
+                                     metadata=self._metadata)
+                return wire.decode(replies)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.FAILED_PRECONDITION and exc.details() == NEEDS_STATE:
+                    raise NeedsState(exc.details()) from None
+                pause = min(0.1 * 2 ** (tries - 1), 2.0)
+                if (code in _RETRY and tries <= self.config.retries
+                        and time.monotonic() + pause < deadline):
+                    time.sleep(pause)
+                    continue
+                error = self._error(op, step, exc, tries, time.monotonic() - started)
+            if self.config.on_failure == "wait" and code in _RETRY:
+                back = self.wait_until_healthy(self.config.wait_s)
+                error = RemoteTierError(f"{error}; " + (
+                    "the server is back: the job can resume from its last checkpoint (give "
+                    "it --max-restarts)" if back else
+                    f"it did not come back within wait_s {self.config.wait_s:g} s"))
+            raise error
+
+    def state_dict(self) -> dict[str, Any]:
+        served = self.capabilities()
+        return {"endpoint": self.endpoint, "module": served.module}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        served = self.capabilities()
+        if state.get("module") not in (None, served.module):
+            raise RemoteTierError(f"remote tier {self.endpoint} serves {served.module}; the "
+                                  f"checkpoint was trained with {state['module']}")
+
+    def close(self) -> None:
+        try:
+            self._call(wire.encode({"op": "close", "session": self.session}, {}),
+                       timeout=2.0, metadata=self._metadata)
+        except grpc.RpcError:
+            pass  # the server forgets idle sessions on its own
+        self._channel.close()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def wait_until_healthy(self, timeout: float) -> bool:
+        """Poll the standard health service until SERVING or ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while True:
+            if self.healthy(timeout=min(2.0, max(end - time.monotonic(), 0.1))):
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.2)
+
+    def _error(self, op: str, step: int | None, exc: grpc.RpcError, tries: int,
+               seconds: float) -> RemoteTierError:
+        code, details = exc.code(), exc.details()
+        where = f"remote tier {self.endpoint}: {op}" + (f" of step {step}" if step else "")
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return RemoteTierError(f"{where} refused: {details} (check remote_hardware."
+                                   "token_file / token_env against the server's "
+                                   "--token-file)")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RemoteTierError(f"{where}: no reply within deadline_s "
+                                   f"{self.config.deadline_s:g} s")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return RemoteTierError(f"{where}: the server is unreachable after {tries} "
+                                   f"tr{'y' if tries == 1 else 'ies'} in {seconds:.1f} s "
+                                   f"({details})")
+        return RemoteTierError(f"{where} failed on the server: {code.name}: {details}")
