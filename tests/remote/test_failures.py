@@ -1,0 +1,145 @@
+"""Failures of the remote tier, injected: the server killed mid-step (one error naming the
+endpoint and the step, within the deadline; with restarts the job resumes exactly once the
+server is back), a server too slow for the deadline, a module that does not match, a call
+repeated after a lost reply."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal.errors import UsageError
+from shoal.remote import GrpcRemoteTier, RemoteModule, RemoteTierError, wire
+from tests.helpers import REPO, run_shoal, states_equal
+from tests.remote.blocks import Block
+from tests.remote.conftest import wait_for
+from tests.remote.runs import final_state, write_config
+
+SLOW = ("--args", "{delay_s: 0.05}")  # each forward takes 50 ms: a step is in flight
+
+
+def _steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count('"type": "step"') if path.exists() else 0
+
+
+def _train(config: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "shoal", "train", "--config", str(config),
+                             "--nproc-per-node", "2", *flags], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_server_killed_mid_step_is_one_error_naming_endpoint_and_step(serve, tmp_path):
+    server = serve(*SLOW)
+    config = write_config(tmp_path, server.endpoint, {"deadline_s": 10}, max_steps=400,
+                          metrics={"every": 1})
+    job = _train(config)
+    wait_for(lambda: _steps(tmp_path) >= 5, 60, "step 5")
+    server.kill()
+    killed = time.monotonic()
+    _, err = job.communicate(timeout=60)
+    assert time.monotonic() - killed < 10  # within the deadline
+    assert job.returncode == 1
+    summary = next(line for line in err.splitlines() if "failed first" in line)
+    assert f"raised RemoteTierError: remote tier {server.endpoint}: " in summary, summary
+    assert " of step " in summary and "the server is unreachable after 4 tries" in summary
+
+
+def test_killed_server_back_and_the_job_resumes_exactly(serve, tmp_path):
+    straight = write_config(tmp_path / "straight", None, max_steps=24)
+    out = run_shoal("train", "--config", str(straight), "--nproc-per-node", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    server = serve(*SLOW)
+    config = write_config(tmp_path / "killed", server.endpoint,
+                          {"on_failure": "wait", "wait_s": 60}, max_steps=24,
+                          checkpoint_every=4, resume="auto", metrics={"every": 1})
+    job = _train(config, "--max-restarts", "2")
+    wait_for(lambda: _steps(tmp_path / "killed") >= 10, 60, "step 10")
+    server.kill()
+    time.sleep(1.0)  # the workers fail, and wait for the server
+    server.start()  # same port
+    _, err = job.communicate(timeout=150)
+    assert job.returncode == 0, err[-3000:]
+    assert "is back: the job can resume from its last checkpoint" in err
+    assert "resumed from" in err
+    (a, meta_a), (b, meta_b) = final_state(tmp_path / "straight"), final_state(tmp_path / "killed")
+    assert meta_a["global_step"] == meta_b["global_step"] == 24
+    assert states_equal(a, b)
+
+
+def _tier(endpoint: str, **settings) -> GrpcRemoteTier:
+    return GrpcRemoteTier({"endpoint": endpoint, **settings})
+
+
+def test_a_call_past_its_deadline_fails_naming_it(serve):
+    server = serve("--args", "{delay_s: 3.0}")
+    remote = RemoteModule(Block(), tier=_tier(server.endpoint, deadline_s=0.5))
+    started = time.monotonic()
+    with pytest.raises(RemoteTierError, match=rf"remote tier {server.endpoint}: forward of "
+                       r"step 1: no reply within deadline_s 0.5 s"):
+        remote(torch.randn(4, 32))
+    assert time.monotonic() - started < 2.5
+
+
+def test_a_module_that_does_not_match_the_servers_is_refused(serve):
+    server = serve()
+    with pytest.raises(UsageError, match=r"serves tests.remote.blocks:block, whose parameters "
+                       r"differ from the local Block's: fc1.bias, fc1.weight"):
+        RemoteModule(Block(width=16), tier=_tier(server.endpoint))
+
+
+def test_a_repeated_request_id_is_answered_from_the_cache_not_run_twice(serve):
+    server = serve()
+    tier = _tier(server.endpoint)
+    remote = RemoteModule(Block(), tier=tier)
+    x = torch.randn(4, 32, requires_grad=True)
+    out = remote(x)
+    forward_id = out.grad_fn.forward_id  # the custom Function's ctx
+
+    def backward(request_id: str):
+        header = {"op": "backward", "session": tier.session, "request_id": request_id,
+                  "forward_id": forward_id}
+        replies = tier._call(wire.encode(header, {"gout.0": torch.ones(4, 32)}), timeout=10)
+        return wire.decode(replies)[1]
+
+    first = backward("retry-me")
+    again = backward("retry-me")  # the reply was lost, say: the same id asks again
+    assert first.keys() == again.keys() and "gparam.fc1.weight" in first
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    # A new id for the same forward would run backward twice: refused, by name.
+    with pytest.raises(Exception, match="its forward is not held here"):
+        backward("another-id")
+    tier.close()
+
+
+def test_calls_in_flight_from_two_sessions_do_not_mix(serve):
+    server = serve()
+    tiers = [_tier(server.endpoint), _tier(server.endpoint)]
+    torch.manual_seed(0)
+    blocks = [Block(), Block()]  # different weights
+    remotes = [RemoteModule(b, tier=t) for b, t in zip(blocks, tiers, strict=True)]
+    x = torch.randn(8, 32)
+    results: dict[int, torch.Tensor] = {}
+
+    def run(i: int) -> None:
+        with torch.no_grad():
+            for _ in range(20):
+                results[i] = remotes[i](x)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    with torch.no_grad():
+        for i in range(2):
+            assert torch.equal(results[i], blocks[i](x))
+    for t in tiers:
+        t.close()
