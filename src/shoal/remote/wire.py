@@ -83,14 +83,17 @@ def decode(messages: Iterable[bytes], device: torch.device | str = "cpu"
         for dim in spec["shape"]:
             numel *= int(dim)
         sizes.append(numel * dtype.itemsize)
-    body = bytearray()
+    body = bytearray(sum(sizes))  # filled in place: no copies as it grows
+    view, filled = memoryview(body), 0
     for message in stream:
-        body += message
-    if len(body) != sum(sizes):
-        raise WireError(f"the stream holds {len(body)} bytes of tensors; the header lists "
-                        f"{sum(sizes)} (cut short?)")
+        end = filled + len(message)
+        if end <= len(body):
+            view[filled:end] = message
+        filled = end
+    if filled != len(body):
+        raise WireError(f"the stream holds {filled} bytes of tensors; the header lists "
+                        f"{len(body)} (cut short?)")
     tensors, offset = {}, 0
-    view = memoryview(body)
     for spec, size in zip(specs, sizes, strict=True):
         dtype = _DTYPES[spec["dtype"]]
         if size:
