@@ -33,3 +33,25 @@ def test_remote_block_trains_bitwise_like_local(serve, tmp_path, nproc):
     # The checkpoint names the remote tier it trained with.
     assert remote_meta["remote"] == {"block": {"endpoint": server.endpoint,
                                                "module": "tests.remote.blocks:block"}}
+
+
+def test_a_plugin_of_our_own_is_loaded_from_the_config_and_trains_the_same(tmp_path):
+    results = {}
+    for name, endpoint in (("local", None), ("plugin", "127.0.0.1:1")):
+        config = write_config(tmp_path / name, endpoint,
+                              {"tier_plugin": "tests.remote.plugin:factory"})
+        out = run_shoal("train", "--config", str(config))
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[name] = final_state(tmp_path / name)
+    assert "remote tier 127.0.0.1:1 serves tests.remote.blocks:block on cpu" in out.stderr
+    assert results["plugin"][1]["remote"] == {"block": {"kind": "in-process"}}
+    assert states_equal(results["local"][0], results["plugin"][0])
+    # A factory that returns something else is refused before any worker starts.
+    config = write_config(tmp_path / "broken", "127.0.0.1:1",
+                          {"tier_plugin": "tests.remote.plugin:broken"})
+    out = run_shoal("train", "--config", str(config))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "shoal train: error: remote_hardware.tier_plugin tests.remote.plugin:broken returned "
+        "object, which lacks endpoint, capabilities, healthy, call, state_dict, "
+        "load_state_dict, close of shoal.remote.RemoteTier")

@@ -8,7 +8,6 @@ of ``RemoteTier``. The built-in ``shoal.remote:GrpcRemoteTier`` is the reference
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shoal.data.serve import is_loopback
 from shoal.errors import UsageError
 
 
@@ -64,13 +64,7 @@ class RemoteTier(Protocol):
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:
-    host = endpoint.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(endpoint.rpartition(":")[0].strip("[]"))
 
 
 class RemoteConfig(BaseModel):
