@@ -84,7 +84,7 @@ def test_a_call_past_its_deadline_fails_naming_it(serve):
     remote = RemoteModule(Block(), tier=_tier(server.endpoint, deadline_s=0.5))
     started = time.monotonic()
     with pytest.raises(RemoteTierError, match=rf"remote tier {server.endpoint}: forward of "
-                       r"step 1: no reply within deadline_s 0.5 s"):
+                       r"step \d+: no reply within deadline_s 0.5 s"):
         remote(torch.randn(4, 32))
     assert time.monotonic() - started < 2.5
 

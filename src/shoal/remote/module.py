@@ -39,17 +39,19 @@ class RemoteModule(nn.Module):
         if id(self.tier) in _bound:
             raise UsageError(f"remote tier {self.tier.endpoint} already runs another "
                              "RemoteModule: a server holds one module; start one per block")
-        _bound.add(id(self.tier))
         # The stand-in's parameters, buffers and submodules are the module's, by name.
         for slot in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             setattr(self, slot, getattr(module, slot))
         self.module_name = type(module).__name__
         self._check(self.tier.capabilities())
+        _bound.add(id(self.tier))
+        self._owns_tier = True
         self._sent: tuple | None = None
         self.forwards = 0
 
     def __del__(self) -> None:
-        _bound.discard(id(getattr(self, "tier", None)))
+        if getattr(self, "_owns_tier", False):
+            _bound.discard(id(self.tier))
 
     def _check(self, served: tiers.Capabilities) -> None:
         def spec(tensors):
