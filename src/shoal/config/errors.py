@@ -14,7 +14,8 @@ def usage_error(exc: ValidationError, prefix: str = "") -> UsageError:
         if err["type"] == "extra_forbidden":
             parts.append(f"{key}: unknown key")
         elif err["type"] == "value_error":  # a rule across settings: its message says it all
-            parts.append(f"{key}: {err['msg'].removeprefix('Value error, ')}")
+            message = err["msg"].removeprefix("Value error, ")
+            parts.append(f"{key}: {message}" if key else message)  # a rule of the whole run
         else:
             parts.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
     return UsageError("invalid configuration: " + "; ".join(parts))

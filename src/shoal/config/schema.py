@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shoal.remote.tier import RemoteConfig
+from shoal.remote.tier import RemoteConfig, splits_parameters
 from shoal.rl.config import PPOConfig
 from shoal.training.config import TrainerConfig
 
@@ -66,11 +66,9 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _remote_strategy(self) -> RunConfig:
         t = self.trainer
-        if self.remote_hardware is not None and (
-                t.strategy in ("zero2", "fsdp") or t.parallel.model_parallel):
-            raise ValueError("remote_hardware: a RemoteModule's parameters stay whole on each "
-                             "rank; use strategy ddp, zero1, local_sgd or diloco, without "
-                             "tensor or pipeline parallelism")
+        why = splits_parameters(t.strategy, t.parallel.tp, t.parallel.pp)
+        if self.remote_hardware is not None and why:
+            raise ValueError(f"remote_hardware: {why}")
         return self
 
 

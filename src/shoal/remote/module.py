@@ -155,7 +155,7 @@ class _RemoteCall(torch.autograd.Function):
         inputs = tensors[:n_inputs]
         forward_id, outputs, single = remote.remote_forward(inputs, grad=True)
         remote._single = single
-        ctx.remote, ctx.forward_id, ctx.n_inputs = remote, forward_id, n_inputs
+        ctx.remote, ctx.forward_id = remote, forward_id
         ctx.inputs_meta = [(t.device, t.dtype) if isinstance(t, torch.Tensor) else None
                            for t in inputs]
         ctx.names = [n for n, p in remote.named_parameters() if p.requires_grad]

@@ -63,6 +63,16 @@ class RemoteTier(Protocol):
     def close(self) -> None: ...
 
 
+def splits_parameters(strategy: str, tp: int, pp: int) -> str | None:
+    """Why a RemoteModule cannot train under this layout (its parameters must stay whole
+    on each rank), or None when it can."""
+    if strategy in ("zero2", "fsdp") or tp > 1 or pp > 1:
+        return (f"a RemoteModule's parameters stay whole on each rank: strategy '{strategy}' "
+                f"with tp {tp} and pp {pp} would split them (use ddp, zero1, local_sgd or "
+                "diloco, without tensor or pipeline parallelism)")
+    return None
+
+
 def is_loopback_endpoint(endpoint: str) -> bool:
     return is_loopback(endpoint.rpartition(":")[0].strip("[]"))
 

@@ -27,6 +27,7 @@ from shoal.errors import NonFiniteError, UsageError
 from shoal.metrics.recorder import StepMetrics
 from shoal.parallel.pipeline_parallel import PipelineModel
 from shoal.remote.module import remote_modules
+from shoal.remote.tier import splits_parameters
 from shoal.runtime.heartbeat import heartbeat
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
@@ -88,12 +89,9 @@ class Trainer:
                  tp_plan: dict | None = None, **settings: Any):
         self.config = TrainerConfig.build(**settings)
         c = self.config
-        if remote_modules(model) and (c.strategy in ("zero2", "fsdp")
-                                      or c.parallel.model_parallel):
-            raise UsageError(f"the model has a RemoteModule, whose parameters stay whole on "
-                             f"each rank: strategy '{c.strategy}' with tp {c.parallel.tp} and "
-                             f"pp {c.parallel.pp} would split them (use ddp, zero1, local_sgd "
-                             "or diloco, without tensor or pipeline parallelism)")
+        why = splits_parameters(c.strategy, c.parallel.tp, c.parallel.pp)
+        if why and remote_modules(model):
+            raise UsageError(f"the model has a RemoteModule: {why}")
         self.harness = Harness(c.strategy, c.precision, backend=c.backend, ddp=c.ddp,
                                compression=c.compression, local_sgd=c.local_sgd,
                                diloco=c.diloco, fsdp=c.fsdp, parallel=c.parallel,
