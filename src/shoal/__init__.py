@@ -1,31 +1,42 @@
-"""shoal: take a PyTorch training job from one process to many, and keep it running."""
+"""shoal: take a PyTorch training job from one process to many, and keep it running.
 
-from shoal.runtime.collectives import (  # noqa: E402
-    all_gather,
-    all_gather_object,
-    all_reduce,
-    barrier,
-    broadcast,
-    broadcast_object,
-    reduce_scatter,
-)
-from shoal.runtime.dist import (  # noqa: E402
-    DistEnv,
-    cleanup,
-    device,
-    init,
-    is_main,
-    local_rank,
-    rank,
-    world_size,
-)
-from shoal.runtime.heartbeat import heartbeat  # noqa: E402
-from shoal.runtime.info import info  # noqa: E402
-from shoal.runtime.spawn import WorkerFailedError, spawn  # noqa: E402
-from shoal.training.config import TrainerConfig  # noqa: E402
-from shoal.training.harness import Harness, seed_everything  # noqa: E402
-from shoal.training.trainer import Trainer  # noqa: E402
-from shoal.version import __version__ as __version__  # noqa: E402
+The names below are imported on first use, so that ``import shoal.<anything>`` (the command
+line, the launcher, a worker's bootstrap) does not pay for torch's checkpoint, pipelining and
+compiler modules unless it uses them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from shoal.version import __version__ as __version__
+
+_LAZY = {
+    "all_gather": "shoal.runtime.collectives",
+    "all_gather_object": "shoal.runtime.collectives",
+    "all_reduce": "shoal.runtime.collectives",
+    "barrier": "shoal.runtime.collectives",
+    "broadcast": "shoal.runtime.collectives",
+    "broadcast_object": "shoal.runtime.collectives",
+    "reduce_scatter": "shoal.runtime.collectives",
+    "DistEnv": "shoal.runtime.dist",
+    "cleanup": "shoal.runtime.dist",
+    "device": "shoal.runtime.dist",
+    "init": "shoal.runtime.dist",
+    "is_main": "shoal.runtime.dist",
+    "local_rank": "shoal.runtime.dist",
+    "rank": "shoal.runtime.dist",
+    "world_size": "shoal.runtime.dist",
+    "heartbeat": "shoal.runtime.heartbeat",
+    "info": "shoal.runtime.info",
+    "WorkerFailedError": "shoal.runtime.spawn",
+    "spawn": "shoal.runtime.spawn",
+    "TrainerConfig": "shoal.training.config",
+    "Harness": "shoal.training.harness",
+    "seed_everything": "shoal.training.harness",
+    "Trainer": "shoal.training.trainer",
+}
 
 __all__ = [
     "DistEnv",
@@ -52,3 +63,44 @@ __all__ = [
     "spawn",
     "world_size",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shoal' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from shoal.runtime.collectives import (
+        all_gather,
+        all_gather_object,
+        all_reduce,
+        barrier,
+        broadcast,
+        broadcast_object,
+        reduce_scatter,
+    )
+    from shoal.runtime.dist import (
+        DistEnv,
+        cleanup,
+        device,
+        init,
+        is_main,
+        local_rank,
+        rank,
+        world_size,
+    )
+    from shoal.runtime.heartbeat import heartbeat
+    from shoal.runtime.info import info
+    from shoal.runtime.spawn import WorkerFailedError, spawn
+    from shoal.training.config import TrainerConfig
+    from shoal.training.harness import Harness, seed_everything
+    from shoal.training.trainer import Trainer

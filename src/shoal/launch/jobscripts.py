@@ -11,11 +11,14 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from shoal.config.schema import RunConfig
 from shoal.errors import UsageError
+
+if TYPE_CHECKING:  # the schema imports torch's checkpointing: not needed to parse flags
+    from shoal.config.schema import RunConfig
 
 PREEMPTED_EXIT_CODE = 128 + 10  # SIGUSR1: what shoal train exits with after saving
 K8S_KINDS = ("pytorchjob", "indexed-job", "all")

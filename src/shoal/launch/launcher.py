@@ -22,7 +22,7 @@ from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
 from shoal.launch.ports import check_port_free
 from shoal.launch.summary import report_failure
-from shoal.runtime.compat import has_shutdown_grace
+from shoal.runtime.compat import cheap_rendezvous_event_names, has_shutdown_grace
 
 SHUTDOWN_TIMEOUT_S = 60
 HANG_EXIT_CODE = 124  # as timeout(1)
@@ -74,14 +74,21 @@ def store_address(spec: LaunchSpec) -> tuple[str, int]:
     return spec.master_addr, spec.master_port or 0
 
 
-def fresh_store_per_attempt() -> None:
-    """Let each attempt's rank 0 host a new store for the workers' process group.
+def fresh_store_per_attempt(needed: bool = True) -> None:
+    """Whether each attempt's rank 0 hosts a new store for the workers' process group.
 
-    With c10d rendezvous the workers otherwise share the agent's store across restarts, and
+    With c10d rendezvous the workers otherwise share the agent's store across rounds, and
     a restarted group reads the previous attempt's gloo addresses: it connects to dead
-    workers and hangs in init_process_group.
+    workers and hangs in init_process_group. A new store has a race of its own: the agent
+    picks a free port that worker 0 binds later, and another program may take it in
+    between (EADDRINUSE). So it is used only where a second round can happen.
     """
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if needed else "0"
+
+
+def second_round_possible(spec: LaunchSpec) -> bool:
+    """Restarts, or a node count that may change, start the workers again."""
+    return spec.max_restarts > 0 or (spec.min_nodes or spec.nnodes) != spec.nnodes
 
 
 def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = None
@@ -190,7 +197,8 @@ def launch(spec: LaunchSpec) -> int:
         os.environ["OMP_NUM_THREADS"] = "1"
     nodes = _start_node_watch(spec)
     quiet_torch_logs()
-    fresh_store_per_attempt()
+    fresh_store_per_attempt(second_round_possible(spec))
+    cheap_rendezvous_event_names()
     # A folder of its own for every launch, also inside a reused --log-dir, so that the
     # failure summary never reads an older job's error files.
     log_dir = _new_log_dir(spec.log_dir)

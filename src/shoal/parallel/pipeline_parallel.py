@@ -27,12 +27,13 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.errors import UsageError
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# torch.distributed.pipelining is imported in apply_pp only: it pulls in torch's compiler
+# (over a second per process), which runs without pipelining never need.
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 _EMBED = ("tok_emb", "pos_emb")  # what ``model.embed`` reads: the first stage's
 _HEAD = ("norm", "head")  # what ``model.logits`` reads: the last stage's
 
@@ -262,11 +263,14 @@ def apply_pp(model: nn.Module, pp_mesh: DeviceMesh, config: PipelineConfig,
         raise UsageError("a pipeline stage cannot be wrapped in DistributedDataParallel: "
                          "replicate it over the dp mesh with shoal.parallel.replicate."
                          "apply_replicate, or shard it with shoal.parallel.fsdp.apply_fsdp")
-    pipeline_stage = PipelineStage(module, index, n_stages, _device(pp_mesh),
-                                   group=pp_mesh.get_group())
+    from torch.distributed import pipelining
+
+    pipeline_stage = pipelining.PipelineStage(module, index, n_stages, _device(pp_mesh),
+                                              group=pp_mesh.get_group())
     loss = _ScaledLoss(loss_fn, config.microbatches)
-    schedule = _SCHEDULES[config.schedule](pipeline_stage, n_microbatches=config.microbatches,
-                                           loss_fn=loss, scale_grads=False)
+    schedule_class = getattr(pipelining, _SCHEDULES[config.schedule])
+    schedule = schedule_class(pipeline_stage, n_microbatches=config.microbatches,
+                              loss_fn=loss, scale_grads=False)
     return PipelineModel(stage, module, schedule, loss, pp_mesh, config, blocks)
 
 

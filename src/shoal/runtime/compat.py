@@ -45,3 +45,35 @@ def stager_reusable() -> bool:
         return False
     finally:
         stager.close()
+
+
+def cheap_rendezvous_event_names() -> bool:
+    """Make torch's c10d rendezvous name its events without ``inspect.stack()``.
+
+    ``dynamic_rendezvous.get_method_name`` (every torch release shoal supports) builds the
+    whole call stack with the source lines of every frame, twice, for each rendezvous event,
+    only to read one function name: about a second of CPU in each launcher start. The same
+    name is read from the frame directly. Returns whether the helper was found and replaced;
+    a torch without it is left as it is.
+    """
+    import inspect
+    import sys
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = getattr(dynamic_rendezvous, "get_method_name", None)
+    if original is None or getattr(original, "_shoal", False):
+        return original is not None
+    if list(inspect.signature(original).parameters) != ["depth"]:
+        return False  # not the helper this replaces
+
+    def get_method_name(depth: int = 2) -> str:
+        # inspect.stack()[depth] inside the helper is the frame ``depth`` levels up from it.
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:
+            return "no_method_name"
+
+    get_method_name._shoal = True  # type: ignore[attr-defined]
+    dynamic_rendezvous.get_method_name = get_method_name
+    return True

@@ -54,7 +54,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
     from shoal.launch.launcher import fresh_store_per_attempt, quiet_torch_logs
 
     quiet_torch_logs()
-    fresh_store_per_attempt()
+    fresh_store_per_attempt(max_restarts > 0)
     try:
         results = elastic_launch(config, fn)(*args)
     except ChildFailedError as failed:
