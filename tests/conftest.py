@@ -1,5 +1,6 @@
 """Test settings shared by every test: one thread per process, clean distributed state."""
 
+import functools
 import os
 
 import pytest
@@ -14,6 +15,26 @@ def pytest_xdist_auto_num_workers(config) -> int:
     (rendezvous, injected hangs, restarts); at most 8, so that the jobs they start do not
     crowd a large machine's network ports and memory."""
     return min(len(os.sched_getaffinity(0)) + 1, 8)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's load scheduling, except that the tests of a module that defines a
+    module-scoped fixture (one job whose results its tests check) go to one worker, so the
+    job runs once, not once per worker. (pytest-xdist's own ``xdist_group`` marks are lost
+    on pytest 9's node ids.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    @functools.cache
+    def shares_a_job(path: str) -> bool:
+        file = config.rootpath / path
+        return file.is_file() and 'scope="module"' in file.read_text()
+
+    class SharedJobScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if shares_a_job(path) else nodeid
+
+    return SharedJobScheduling(config, log)
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -18,6 +20,26 @@ def run_shoal(*args: str, cwd: str | None = None, timeout: float = 120,
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "shoal", *args], cwd=cwd or REPO,
                           capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def run_shoal_in_process(*args: str) -> subprocess.CompletedProcess:
+    """``shoal ARGS`` through the command's own ``main``, in this process, from the repository
+    root: for input that must be refused before anything starts, without paying for a
+    process start per case. (Tests that run the real command prove that nothing else
+    reaches the terminal.)"""
+    from shoal.cli.main import main
+
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse refuses a flag this way
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(["shoal", *args], code, out.getvalue(), err.getvalue())
 
 
 def processes_with(marker: str) -> list[psutil.Process]:

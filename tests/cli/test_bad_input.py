@@ -1,4 +1,8 @@
-"""Bad input: one clear line on stderr, exit code 2, no traceback, no process started."""
+"""Bad input: one clear line on stderr, exit code 2, no traceback, no process started.
+
+The first tests run the real command; the matrices of bad values go through the command's
+own ``main`` in this process (``run_shoal_in_process``), a process start saved per case.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import socket
 
 import pytest
 
-from tests.helpers import run_shoal
+from tests.helpers import run_shoal, run_shoal_in_process
 
 DIGITS = "examples/digits.yaml"
 
@@ -36,7 +40,7 @@ def test_unknown_flag():
 def test_bad_nproc(tmp_path, value):
     script = tmp_path / "s.py"
     script.write_text("")
-    _assert_one_line_error(run_shoal("run", "--nproc-per-node", value, str(script)),
+    _assert_one_line_error(run_shoal_in_process("run", "--nproc-per-node", value, str(script)),
                            "--nproc-per-node")
 
 
@@ -70,27 +74,33 @@ def test_taken_port(tmp_path):
      ["trainer", "resume /nonexistent/checkpoint", "no such directory"]),
 ])
 def test_invalid_config(override, needles):
-    _assert_one_line_error(run_shoal("train", "--config", DIGITS, override), *needles)
+    _assert_one_line_error(run_shoal_in_process("train", "--config", DIGITS, override), *needles)
+
+
+def test_invalid_config_from_the_real_command():
+    _assert_one_line_error(run_shoal("train", "--config", DIGITS, "model.args.hidden=abc"),
+                           "model.args.hidden", "valid integer")
 
 
 def test_topology_that_does_not_fit_the_job_fails_before_any_worker():
-    out = run_shoal("train", "--config", DIGITS, "--nproc-per-node", "2",
-                    "trainer.parallel.tp=3")
+    out = run_shoal_in_process("train", "--config", DIGITS, "--nproc-per-node", "2",
+                               "trainer.parallel.tp=3")
     _assert_one_line_error(out, "trainer.parallel", "tp 3", "2 processes")
 
 
 def test_missing_and_malformed_config(tmp_path):
-    _assert_one_line_error(run_shoal("train", "--config", str(tmp_path / "none.yaml")),
+    _assert_one_line_error(run_shoal_in_process("train", "--config", str(tmp_path / "none.yaml")),
                            "config file not found")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
-    _assert_one_line_error(run_shoal("train", "--config", str(bad)), "not valid YAML")
+    _assert_one_line_error(run_shoal_in_process("train", "--config", str(bad)), "not valid YAML")
     missing = tmp_path / "missing.yaml"
     missing.write_text("trainer: {epochs: 1}\n")
-    _assert_one_line_error(run_shoal("train", "--config", str(missing)), "model", "Field required")
+    _assert_one_line_error(run_shoal_in_process("train", "--config", str(missing)), "model",
+                           "Field required")
 
 
 def test_compression_needs_the_ddp_strategy():
-    out = run_shoal("train", "--config", DIGITS, "trainer.strategy=diloco",
-                    "trainer.compression=topk")
+    out = run_shoal_in_process("train", "--config", DIGITS, "trainer.strategy=diloco",
+                               "trainer.compression=topk")
     _assert_one_line_error(out, "compression 'topk'", "strategy 'diloco'")
