@@ -1,11 +1,15 @@
 """Shims over torch's own code must behave as the code they replace."""
 
+import pytest
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from shoal.runtime.compat import cheap_rendezvous_event_names
 
 
 def test_rendezvous_event_names_are_the_ones_torch_gives():
+    if not hasattr(dynamic_rendezvous, "get_method_name"):
+        assert not cheap_rendezvous_event_names()
+        pytest.skip("this torch names its rendezvous events otherwise: nothing to replace")
     original = dynamic_rendezvous.get_method_name
 
     def handler_method(depth):  # stands for a rendezvous handler's method naming its event

@@ -79,15 +79,16 @@ class RunWatch:
 
     def _take_block(self, block: bytes, new: dict) -> None:
         # The loop a million-line file goes through: a step line that is thinned out costs
-        # a prefix test and a modulo, nothing more.
+        # a prefix test and a modulo, nothing more (no attribute lookups).
         nonfinite = NONFINITE_LOSS in block
-        seen = self.seen_steps
+        seen, stride, is_step = self.seen_steps, self.stride, bytes.startswith
         for line in block.split(b"\n"):
-            if line.startswith(STEP_PREFIX):
+            if is_step(line, STEP_PREFIX):
                 seen += 1
-                if seen % self.stride == 0 or (nonfinite and NONFINITE_LOSS in line):
+                if seen % stride == 0 or (nonfinite and NONFINITE_LOSS in line):
                     self.seen_steps = seen
                     self._take_step(line, new)
+                    stride = self.stride  # taking a step may double it
             else:
                 self.seen_steps = seen
                 self._take(line, new)
