@@ -33,3 +33,10 @@ def test_no_two_modules_import_each_other():
     mutual = sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets
                      if a in graph.get(b, set())})
     assert not mutual, mutual
+
+
+def test_every_top_level_name_resolves():
+    import shoal
+
+    for name in shoal.__all__:
+        assert getattr(shoal, name) is not None, name

@@ -5,6 +5,7 @@ line, the launcher, a worker's bootstrap) does not pay for torch's checkpoint, p
 compiler modules unless it uses them.
 """
 
+# ruff: noqa: F401 - the imports under TYPE_CHECKING are the names of __all__, for editors
 from __future__ import annotations
 
 import importlib
@@ -38,31 +39,7 @@ _LAZY = {
     "Trainer": "shoal.training.trainer",
 }
 
-__all__ = [
-    "DistEnv",
-    "Harness",
-    "Trainer",
-    "TrainerConfig",
-    "WorkerFailedError",
-    "all_gather",
-    "all_gather_object",
-    "all_reduce",
-    "barrier",
-    "broadcast",
-    "broadcast_object",
-    "cleanup",
-    "device",
-    "heartbeat",
-    "info",
-    "init",
-    "is_main",
-    "local_rank",
-    "rank",
-    "reduce_scatter",
-    "seed_everything",
-    "spawn",
-    "world_size",
-]
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -74,7 +74,7 @@ def store_address(spec: LaunchSpec) -> tuple[str, int]:
     return spec.master_addr, spec.master_port or 0
 
 
-def fresh_store_per_attempt(needed: bool = True) -> None:
+def fresh_store_per_attempt(needed: bool) -> None:
     """Whether each attempt's rank 0 hosts a new store for the workers' process group.
 
     With c10d rendezvous the workers otherwise share the agent's store across rounds, and
