@@ -27,8 +27,8 @@ def test_only_new_bytes_are_read(tmp_path, monkeypatch):
 
     def counting_open(name, mode="r", *args, **kwargs):
         handle = real_open(name, mode, *args, **kwargs)
-        original = handle.read
-        handle.read = lambda n=-1: reads.append(len(data := original(n))) or data
+        original = handle.readinto
+        handle.readinto = lambda buffer: reads.append(n := original(buffer)) or n
         return handle
 
     monkeypatch.setattr(tail, "CHUNK", 1000)  # lines straddle chunk ends
@@ -55,3 +55,15 @@ def test_a_file_started_anew_is_read_from_its_start(tmp_path):
 def test_a_missing_file_is_no_error(tmp_path):
     t = LineTail(tmp_path / "metrics.jsonl")
     assert list(t.lines()) == [] and not t.grew()
+
+
+def test_a_line_longer_than_the_buffer_is_read_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(tail, "CHUNK", 64)
+    path = tmp_path / "metrics.jsonl"
+    long = b"x" * 1000
+    path.write_bytes(b"a\n" + long + b"\nb\n" + long)
+    t = LineTail(path)
+    assert list(t.lines()) == [b"a", long, b"b"]
+    with open(path, "ab") as f:
+        f.write(b"\n")
+    assert list(t.lines()) == [long] and t.offset == path.stat().st_size

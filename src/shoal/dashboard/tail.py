@@ -35,22 +35,30 @@ class LineTail:
     def lines(self) -> Iterator[bytes]:
         """Every complete line from the offset to the end of the file, without its newline."""
         for block in self.blocks():
-            yield from block.split(b"\n")
+            yield from bytes(block).split(b"\n")
 
-    def blocks(self) -> Iterator[bytes]:
+    def blocks(self) -> Iterator[memoryview]:
         """The complete lines from the offset on, a chunk of them at a time, without the
-        last newline; the offset moves past each block as it is handed out."""
+        last newline; the offset moves past each block as it is handed out.
+
+        Each block is a view of one buffer that the next block overwrites: copy what is
+        kept (a line is copied by ``bytes(block[a:b])``)."""
         if not self.grew():
             return
-        with open(self.path, "rb") as f:
+        buffer = bytearray(min(CHUNK, max(self.size - self.offset, 1 << 16)))
+        view, held = memoryview(buffer), 0  # held: the start of a line not yet whole
+        with open(self.path, "rb", buffering=0) as f:
             f.seek(self.offset)
-            rest = b""
-            while chunk := f.read(CHUNK):
-                chunk = rest + chunk
-                end = chunk.rfind(b"\n")
-                if end < 0:
-                    rest = chunk
+            while n := f.readinto(view[held:]):
+                n += held
+                end = buffer.rfind(b"\n", 0, n)
+                if end < 0:  # not one whole line in the buffer
+                    held = n
+                    if held == len(buffer):  # a line longer than the buffer: make room
+                        buffer = buffer + bytes(len(buffer))
+                        view = memoryview(buffer)
                     continue
-                rest = chunk[end + 1:]
                 self.offset += end + 1
-                yield chunk[:end]
+                yield view[:end]
+                held = n - end - 1
+                buffer[:held] = buffer[end + 1:n]  # same size: the views stay valid
