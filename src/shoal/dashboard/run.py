@@ -3,8 +3,9 @@
 Step lines are thinned as a run grows: at most ``cap`` are kept, every ``stride``-th one,
 and the stride doubles when the cap is reached, so a run of a million steps costs the page
 a few thousand points. Thinned-out lines are not even parsed, except one whose loss is not
-finite (that one is always kept). Windows of per-rank figures, validations and events
-(start, resume, end) are few and all kept.
+finite: that one is kept off the stride too (the first cap/2 of them: where the run
+diverged). Windows of per-rank figures, validations and events (start, resume, end) are few
+and all kept.
 
 A job that restarts from a checkpoint at step S does again the steps after S: what was
 recorded of them before the restart is dropped when the restart's start line arrives, so
@@ -43,6 +44,7 @@ class RunWatch:
         self.seen_steps = self.seen_windows = 0
         self.points: list[dict] = []
         self._numbers: list[int] = []  # each kept step line's place among all step lines
+        self._off_stride = 0  # points kept off the stride for a non-finite loss
         self.windows: list[dict] = []  # 'ranks' records: every rank's figures per window
         self.validation: list[dict] = []
         self.events: list[dict] = []
@@ -94,7 +96,6 @@ class RunWatch:
         for k, byte in enumerate(STEP_PREFIX):
             is_step &= data[np.minimum(starts + k, len(data) - 1)] == byte
         others = np.flatnonzero(~is_step).tolist() + [len(starts)]
-        self._thin_ahead(len(starts) - len(others) + 1, len(data))
         # Step lines with a loss that is not finite are kept whatever the stride.
         marked = np.searchsorted(starts, _find_all(block, NONFINITE_LOSS), side="right") - 1
         flagged = sorted({i for i in marked.tolist() if is_step[i]})
@@ -123,32 +124,29 @@ class RunWatch:
         if record is None:
             return
         self.last_step = record.get("step", self.last_step)
+        off_stride = self.seen_steps % self.stride != 0  # taken for its non-finite loss
+        if off_stride and self._off_stride >= self.cap // 2:
+            return  # where a run diverged is shown by the first ones
         self.points.append(record)
         self._numbers.append(self.seen_steps)
+        self._off_stride += off_stride
         new["points"].append(record)
         if len(self.points) > self.cap:
             self._thin(self.stride * 2)
 
     def _thin(self, stride: int) -> None:
-        self.stride = stride
-        kept = [i for i, (p, n) in enumerate(zip(self.points, self._numbers, strict=True))
-                if n % stride == 0 or p.get("loss") is None]
+        """Keep the points on ``stride``, and the first cap/2 others with a non-finite
+        loss (never more: a run whose loss stays NaN would double the stride at every
+        step)."""
+        self.stride, kept, self._off_stride = stride, [], 0
+        for i, (p, n) in enumerate(zip(self.points, self._numbers, strict=True)):
+            if n % stride == 0:
+                kept.append(i)
+            elif p.get("loss") is None and self._off_stride < self.cap // 2:
+                kept.append(i)
+                self._off_stride += 1
         self.points = [self.points[i] for i in kept]
         self._numbers = [self._numbers[i] for i in kept]
-
-    def _thin_ahead(self, steps: int, size: int) -> None:
-        """Before a long read (the first of a big file), go to a stride that the read would
-        reach anyway, so that its steps are not parsed to be thinned out again. The steps
-        to come are guessed from this block's share (``steps`` in ``size`` bytes), and the
-        stride is kept at a quarter of what that guess gives: the points are the same as
-        read a line at a time unless the guess is over 4x too high."""
-        unread = self.tail.size - self.tail.offset
-        expected = self.seen_steps + steps + steps * unread / size
-        stride = self.stride
-        while expected / (2 * stride) >= 4 * self.cap:
-            stride *= 2
-        if stride > self.stride:
-            self._thin(stride)
 
     def _take(self, line: bytes, new: dict) -> None:
         """A line that is not a step's."""
@@ -190,6 +188,7 @@ class RunWatch:
                 kept = [r for r, k in zip(getattr(self, name), keep, strict=True) if k]
                 if name == "points":
                     self._numbers = [n for n, k in zip(self._numbers, keep, strict=True) if k]
+                    self._off_stride = sum(n % self.stride != 0 for n in self._numbers)
                 setattr(self, name, kept)
                 new[name] = list(kept)
                 new.setdefault("replace", []).append(name)
@@ -216,9 +215,12 @@ def _placed(record: dict) -> bool:
     """Whether a record says which steps it is of, as the curves need to place it."""
     if record.get("type") == "ranks":
         steps = record.get("steps")
-        return (isinstance(steps, list) and len(steps) == 2
-                and all(isinstance(s, int) for s in steps))
-    return isinstance(record.get("step", 0 if record.get("type") == "event" else None), int)
+        return isinstance(steps, list) and len(steps) == 2 and all(map(_is_step, steps))
+    return _is_step(record.get("step", 0 if record.get("type") == "event" else None))
+
+
+def _is_step(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _find_all(block: memoryview, text: bytes) -> list[int]:

@@ -1,15 +1,16 @@
 """`shoal.spawn`: run a function on N local processes through torch.distributed.elastic.
 
-The processes are forked from a server process that has imported torch once (Python's
-"forkserver" start method, with torch and torch._dynamo preloaded: every optimizer imports
-the latter). A process then starts in a fraction of a second instead of importing torch
-again (about 4 s of CPU each on a small machine). The server lives as long as the calling
-process, so later calls start faster still. Where forkserver does not exist (Windows), the
-processes are spawned, each importing torch.
+On Linux the processes are forked from a server process that has imported torch once
+(Python's "forkserver" start method, with torch and torch._dynamo preloaded: every optimizer
+imports the latter). A process then starts in a fraction of a second instead of importing
+torch again (about 4 s of CPU each on a small machine). The server lives as long as the
+calling process, so later calls start faster still. Elsewhere the processes are spawned,
+each importing torch.
 
 A forked process starts with the server's environment, which is the caller's as it was when
-the server started; each process is given the caller's environment as it is at the call
-(with what torch.distributed.elastic sets for it on top), as a spawned one would have it.
+the server started; each process is given the caller's environment as it is at the call,
+with what torch.distributed.elastic sets for it on top. Settings that torch reads once when
+it is imported (e.g. TORCH_COMPILE_DISABLE) stay as they were when the server started.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -42,38 +44,39 @@ class WorkerFailedError(RuntimeError):
 
 
 PRELOAD = ["torch", "torch._dynamo", "shoal.runtime.spawn"]
+# What torch.distributed.elastic sets for each worker it starts from a function.
+ELASTIC_KEYS = frozenset({
+    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
 _SERVER_ENV = dict(os.environ)  # in a forkserver's children: the server's environment
 _IMPORTED_BY = os.getpid()
 
 
 def _start_method() -> str:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    # Linux only: on macOS, forking a process that has imported torch is unsafe.
+    if sys.platform != "linux" or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    from multiprocessing import forkserver
-
-    # The default list (the caller's __main__) is kept; ours go first. A server that is
-    # already running keeps what it has preloaded.
-    preload = getattr(forkserver._forkserver, "_preload_modules", ["__main__"])
-    multiprocessing.set_forkserver_preload([*PRELOAD, *(m for m in preload
-                                                        if m not in PRELOAD)])
+    # Not the caller's __main__: from Python 3.13.8 on a server would run the caller's
+    # script, before torch and with the first call's environment. A server that is already
+    # running keeps what it has preloaded.
+    multiprocessing.set_forkserver_preload(PRELOAD)
     return "forkserver"
 
 
 def _in_callers_environment(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` in the environment ``env`` of the caller of spawn, plus what
     torch.distributed.elastic set for this process (RANK, MASTER_ADDR, ...)."""
+    ours = {k: v for k, v in os.environ.items() if k in ELASTIC_KEYS}
     if _IMPORTED_BY != os.getpid():
         # Forked from a server that preloaded this module: what differs from the server's
-        # environment was set by elastic.
-        elastic = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}
-        os.environ.clear()
-        os.environ.update(env)
-        os.environ.update(elastic)
-    else:
-        # A fresh interpreter (spawned, or a server that did not preload us): it already
-        # has the caller's environment, unless the server was older than the call.
-        for key, value in env.items():
-            os.environ.setdefault(key, value)
+        # environment was set by elastic too.
+        ours.update({k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v})
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(ours)
     return fn(*args)
 
 
