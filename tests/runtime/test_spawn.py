@@ -3,7 +3,6 @@ still gets the caller's environment and working directory as they are at the cal
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import shoal
 from tests.helpers import REPO
 
 MARK = "SHOAL_TEST_SPAWN_MARK"
+# Where shoal.spawn forks from a server (elsewhere it spawns: nothing to test of a server).
+FORKED = pytest.mark.skipif(sys.platform != "linux", reason="processes are forked on Linux only")
 
 
 def _seen() -> tuple:
@@ -64,6 +65,7 @@ print(sorted(r[:3] for r in shoal.spawn(_seen, nprocs=2)))
 """
 
 
+@FORKED
 @pytest.mark.parametrize("who", ["shoal", "others"])
 def test_a_server_started_in_another_environment(who):
     env = {**os.environ, "WHO_STARTS_THE_SERVER": who, "OMP_NUM_THREADS": "1"}
@@ -73,8 +75,7 @@ def test_a_server_started_in_another_environment(who):
     assert out.stdout.strip() == str([(0, "2", "new"), (1, "2", "new")])
 
 
-@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(),
-                    reason="no forkserver on this platform")
+@FORKED
 def test_the_processes_are_forked_from_one_server():
     parents = {tuple(shoal.spawn(os.getppid, nprocs=2)) for _ in range(2)}
     assert len(parents) == 1  # both calls, both ranks: one parent
