@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import os
 import re
@@ -14,6 +13,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from shoal.config.errors import usage_error
+from shoal.config.imports import import_builder
 from shoal.config.schema import BuilderConfig, RLRunConfig, RunConfig
 from shoal.errors import UsageError
 
@@ -54,24 +54,6 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
             raise UsageError(f"override {key}: {part} is not a section")
         node = child
     node[parts[-1]] = value
-
-
-def import_builder(path: str, where: str) -> Any:
-    """The object behind 'package.module:attr', or a UsageError naming the config key."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # a module may fail to import with any error, SyntaxError too
-        raise UsageError(f"{where}: cannot import {path!r} "
-                         f"({type(exc).__name__}: {exc})") from None
-    target: Any = module
-    for name in attr.split("."):
-        if not hasattr(target, name):
-            raise UsageError(f"{where}: {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, name)
-    if not callable(target):
-        raise UsageError(f"{where}: {path!r} is not callable")
-    return target
 
 
 def _check_builder(section: str, spec: BuilderConfig) -> None:
