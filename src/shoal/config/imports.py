@@ -1,30 +1,110 @@
-"""Import what a run config names as 'package.module:attr' (builders, plugins).
+"""Import what a run config names as 'package.module:attr' (builders, plugins, environments).
 
-Kept apart from the loader so that a feature (the remote tier, RL environments) can import
-user code without importing the config layer that collects the features' settings.
+A user keeps their model next to their config, so names are looked up first in the config
+file's directory, then in the current directory, then in the environment (PYTHONPATH and
+installed packages). The loader resolves those two directories once, at the edge, and
+stores them in the resolved config (``run.code_paths``), so every rank, every node and a
+restarted worker search the same places whatever directory they start in.
+
+Kept apart from the loader so that a feature (the remote tier) can import user code without
+importing the config layer that collects the features' settings.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import pkgutil
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from shoal.errors import UsageError
 
 
+def default_code_paths(config_file: str | Path | None) -> list[str]:
+    """The config file's directory, then the current directory, as absolute paths."""
+    paths = [Path(config_file).resolve().parent] if config_file is not None else []
+    paths.append(Path.cwd().resolve())
+    return list(dict.fromkeys(str(path) for path in paths))
+
+
+def use_code_paths(paths: Iterable[str]) -> None:
+    """Put ``paths`` first on sys.path, in order, each once. Processes started from this one
+    by multiprocessing (data-loader workers) inherit sys.path."""
+    paths = [str(path) for path in paths]
+    sys.path[:] = paths + [entry for entry in sys.path if entry not in paths]
+
+
 def import_builder(path: str, where: str) -> Any:
-    """The object behind 'package.module:attr', or a UsageError naming the config key."""
+    """The object behind 'package.module:attr', or a UsageError naming the config key, the
+    places searched and, for a likely typo, the closest existing name."""
     module_name, _, attr = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # a module may fail to import with any error, SyntaxError too
-        raise UsageError(f"{where}: cannot import {path!r} "
-                         f"({type(exc).__name__}: {exc})") from None
+        module = import_module(module_name, path)
+    except UsageError as exc:
+        raise UsageError(f"{where}: {exc}") from None
     target: Any = module
-    for name in attr.split("."):
+    for depth, name in enumerate(attr.split(".")):
         if not hasattr(target, name):
-            raise UsageError(f"{where}: {module_name!r} has no attribute {attr!r}")
+            owner = ".".join([module_name, *attr.split(".")[:depth]])
+            hint = _did_you_mean(name, [n for n in dir(target) if not n.startswith("__")])
+            raise UsageError(f"{where}: {owner!r} has no attribute {name!r}{hint}")
         target = getattr(target, name)
     if not callable(target):
         raise UsageError(f"{where}: {path!r} is not callable")
     return target
+
+
+def import_module(module_name: str, path: str) -> ModuleType:
+    """Import ``module_name`` (named in the config as ``path``), or a one-line UsageError:
+    where it looked and the closest name, or which of its own imports failed."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if not (module_name == missing or module_name.startswith(missing + ".")):
+            # The user's module imports something that is not installed.
+            raise UsageError(f"cannot import {path!r}: it imports {missing!r}, which is not "
+                             f"installed (ModuleNotFoundError)") from None
+        raise UsageError(f"cannot import {path!r}: no module named {missing!r}"
+                         f"{_module_hint(missing)}; looked in {_searched()}; add a directory "
+                         f"with PYTHONPATH=DIR") from None
+    except Exception as exc:  # a module may fail to import with any error, SyntaxError too
+        raise UsageError(f"cannot import {path!r} "
+                         f"({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+
+
+def _module_hint(missing: str) -> str:
+    """', did you mean ...' for a module name one typo away from one that exists."""
+    parent, _, leaf = missing.rpartition(".")
+    if parent:
+        try:
+            search = importlib.import_module(parent).__path__
+        except (ImportError, AttributeError):
+            return ""
+    else:
+        search = None  # every top-level module on sys.path
+    names = [info.name for info in pkgutil.iter_modules(search)]
+    return _did_you_mean(leaf, names, prefix=f"{parent}." if parent else "")
+
+
+def _did_you_mean(name: str, candidates: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
+
+
+def _searched() -> str:
+    """sys.path in a line: directories by name, the installed packages as one item."""
+    shown, site = [], False
+    for entry in sys.path:
+        if "site-packages" in entry or "dist-packages" in entry or entry.endswith(".zip"):
+            site = True
+            continue
+        stdlib = (Path(entry) / "os.py").is_file() or entry.endswith("lib-dynload")
+        if entry and Path(entry).is_dir() and not stdlib:
+            shown.append(entry)
+    shown = list(dict.fromkeys(shown))
+    return ", ".join(shown + (["the installed packages"] if site else []))

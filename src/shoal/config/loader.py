@@ -13,7 +13,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from shoal.config.errors import usage_error
-from shoal.config.imports import import_builder
+from shoal.config.imports import default_code_paths, import_builder, use_code_paths
 from shoal.config.schema import BuilderConfig, RLRunConfig, RunConfig
 from shoal.errors import UsageError
 
@@ -107,15 +107,17 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()
         raise UsageError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(tree, dict):
         raise UsageError(f"{path} must hold a mapping of sections (model, data, ...)")
-    return validate_run_tree(tree, path.stem, overrides)
+    return validate_run_tree(tree, path.stem, overrides, config_file=path)
 
 
-def validate_run_tree(tree: dict[str, Any], name: str, overrides: list[str] = ()
-                      ) -> RunConfig | RLRunConfig:
+def validate_run_tree(tree: dict[str, Any], name: str, overrides: list[str] = (),
+                      config_file: Path | None = None) -> RunConfig | RLRunConfig:
     """A run config from its sections: an ``rl:`` run when it has one, else a Trainer run.
-    ``name`` names the default run directory, runs/<name>."""
+    ``name`` names the default run directory, runs/<name>. Builders are imported from the
+    directory of ``config_file`` and the current directory first (``run.code_paths``)."""
     for assignment in overrides:
         apply_override(tree, assignment)
+    _resolve_code_paths(tree, config_file)
     try:
         config = RLRunConfig(**tree) if "rl" in tree else RunConfig(**tree)
     except ValidationError as exc:
@@ -136,6 +138,24 @@ def validate_run_tree(tree: dict[str, Any], name: str, overrides: list[str] = ()
     if config.trainer.metrics.dir is None:  # step metrics go to the run directory
         config.trainer.metrics.dir = config.run.dir
     return config
+
+
+def _resolve_code_paths(tree: dict[str, Any], config_file: Path | None) -> None:
+    """Fix the directories searched for the user's modules, as absolute paths in the tree,
+    and search them first in this process, before any validator imports a name (an RL
+    environment's module). A worker reading the resolved config gets them verbatim."""
+    run = tree.setdefault("run", {})
+    if not isinstance(run, dict):
+        return  # refused by the schema
+    given = run.get("code_paths")
+    if given is None:
+        run["code_paths"] = default_code_paths(config_file)
+    elif isinstance(given, list) and all(isinstance(entry, str) for entry in given):
+        base = Path(config_file).resolve().parent if config_file is not None else Path.cwd()
+        run["code_paths"] = [str((base / entry).resolve()) for entry in given]
+    else:
+        return  # refused by the schema
+    use_code_paths(run["code_paths"])
 
 
 def save_run_config(config: RunConfig | RLRunConfig) -> Path:

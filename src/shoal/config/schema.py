@@ -39,6 +39,11 @@ class RunSection(BaseModel):
     """Run directory (resolved config, final metrics); default runs/<config name>."""
     nproc_per_node: int = Field(1, gt=0)
     """Worker processes on this node (the --nproc-per-node flag overrides it)."""
+    code_paths: list[str] | None = None
+    """Directories searched first for the modules that builders name, before the environment
+    (PYTHONPATH, installed packages); relative ones are taken from the config file's
+    directory. Default: the config file's directory, then the current directory. The resolved
+    config holds them as absolute paths, so every rank and node searches the same places."""
 
 
 class RunConfig(BaseModel):

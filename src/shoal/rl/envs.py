@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from shoal.config.imports import import_module
 
 _PLAIN = (bool, int, float, str, type(None))
 # Attributes that describe an environment rather than hold its state.
@@ -36,11 +37,7 @@ def _import_registering_module(env_id: str) -> str:
     """'package.module:Id': import the module that registers Id (as gymnasium does)."""
     module, sep, name = env_id.rpartition(":")
     if sep:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
-            raise ValueError(f"cannot import {module!r} ({type(exc).__name__}: {exc})"
-                             ) from None
+        import_module(module, env_id)  # a UsageError: where it looked, the closest name
     return name if sep else env_id
 
 
