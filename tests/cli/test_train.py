@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import yaml
 
-from tests.helpers import run_shoal
+from tests.helpers import REPO, run_shoal
 
 
 def test_digits_config_trains_to_95_percent(tmp_path):
@@ -18,7 +19,9 @@ def test_digits_config_trains_to_95_percent(tmp_path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["val_accuracy"] >= 0.95, metrics
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["run"] == {"dir": str(run_dir), "nproc_per_node": 2}
+    # Builders are looked up beside the config, then in the directory it ran from.
+    assert saved["run"] == {"dir": str(run_dir), "nproc_per_node": 2,
+                            "code_paths": [os.path.join(REPO, "examples"), REPO]}
     # Progress and epoch reports come from rank 0 only.
     progress = [line for line in out.stdout.splitlines() if "samples/s" in line]
     assert progress and all(line.startswith("[rank0]:") for line in progress)
