@@ -44,9 +44,11 @@ def test_sigkill_mid_rollout_resumes_bit_exactly(tmp_path):
     killed = tmp_path / "killed"
     out = run_shoal("rl", "--env", ENV, "--nproc-per-node", "2", "--max-restarts", "1",
                     f"run.dir={killed}", f"checkpoint_dir={killed / 'ckpt'}",
-                    *[s.removeprefix("rl.") for s in SETTINGS], "resume=auto",
+                    *[s.removeprefix("rl.") for s in SETTINGS],
                     env={"SHOAL_TEST_KILL": "1:101"}, timeout=150)
     assert out.returncode == 0, out.stderr[-3000:]
+    # No resume setting: with restarts and a checkpoint directory, resume=auto is implied.
+    assert "rl.resume=auto implied" in out.stderr
     assert "resumed from" in out.stderr and "update 6" in out.stderr and "exactly" in out.stderr
     name_a, shared_a, own_a, meta_a = _final(straight / "ckpt")
     name_b, shared_b, own_b, meta_b = _final(killed / "ckpt")

@@ -81,6 +81,7 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
         config.run.nproc_per_node = spec.nproc_per_node
         first = spec.node_rank == 0
     check_gpus(config.rl.backend if rl else config.trainer.backend, config.run.nproc_per_node)
+    overrides = [*overrides, *_resume_on_restart(config, spec, rl, first)]
     if not rl and config.remote_hardware is not None:
         from shoal.remote.tier import probe
 
@@ -104,6 +105,32 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
         finally:
             if private is not None:
                 private.unlink(missing_ok=True)
+
+
+def _resume_on_restart(config: Any, spec: Any, rl: bool, first: bool) -> list[str]:
+    """A job that restarts its workers (``--max-restarts``, ``--nnodes MIN:MAX``) continues
+    from its newest checkpoint unless the config says otherwise: ``resume: auto`` is implied,
+    and said. Without a checkpoint directory a restart starts over, and that is said too.
+    Returns the override that gives the other nodes' workers the same setting."""
+    if not (spec.max_restarts > 0 or spec.min_nodes is not None):
+        return []
+    section, name = (config.rl, "rl") if rl else (config.trainer, "trainer")
+    why = (f"--max-restarts {spec.max_restarts}" if spec.max_restarts > 0
+           else f"--nnodes {spec.min_nodes}:{spec.nnodes}")
+    if section.resume is not None:
+        return []
+    if section.checkpoint_dir is None:
+        if first:
+            print(f"shoal: warning: {why} without {name}.checkpoint_dir: a restarted worker "
+                  f"starts the run over from step 0 (set {name}.checkpoint_dir and "
+                  f"{name}.checkpoint_every to continue instead)", file=sys.stderr, flush=True)
+        return []
+    section.resume = "auto"
+    if first:
+        print(f"shoal: {why}: a restarted worker continues from the newest checkpoint in "
+              f"{section.checkpoint_dir} ({name}.resume=auto implied; set {name}.resume to "
+              f"choose otherwise)", file=sys.stderr, flush=True)
+    return [f"{name}.resume=auto"]
 
 
 def _private_copy(config: Any) -> Path:
