@@ -154,8 +154,8 @@ class GrpcRemoteTier:
 
     def close(self) -> None:
         try:
-            self._call(wire.encode({"op": "close", "session": self.session}, {}),
-                       timeout=2.0, metadata=self._metadata)
+            list(self._call(wire.encode({"op": "close", "session": self.session}, {}),
+                            timeout=2.0, metadata=self._metadata))  # waited for: then closed
         except grpc.RpcError:
             pass  # the server forgets idle sessions on its own
         self._channel.close()
