@@ -40,7 +40,7 @@ MALFORMED = [
     (_spec([1], dtype="float8"), "unknown dtype 'float8'"),
     (_spec([1], dtype=["float32"]), "unknown dtype \"['float32']\""),
     (_spec([1], name=7), "a tensor spec must be an object with a string 'name'"),
-    (b"[1, 2]", "the header is a JSON list, not an object"),
+    (b"[1, 2]", "the header is a JSON array, not an object"),
     (b'{"tensors": 5}', "the header's 'tensors' is not a list"),
     (b"\xff\xfe", "the first message is not a JSON header"),
     (json.dumps({"tensors": [{"name": "a", "dtype": "int8", "shape": [1]}] * 2}).encode(),

@@ -184,19 +184,23 @@ class GrpcRemoteTier:
                seconds: float) -> RemoteTierError:
         code, details = exc.code(), exc.details()
         where = self._where(op, step)
-        hint = ("; set remote_hardware.on_failure: wait (with wait_s) to wait for a server "
-                "that restarts" if self.config.on_failure == "fail" else "")
+        waits = self.config.on_failure == "fail"  # else the caller says how the wait went
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return RemoteTierError(f"{where} refused: {details} (check remote_hardware."
                                    "token_file / token_env against the server's "
                                    "--token-file)")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RemoteTierError(f"{where}: no reply within deadline_s "
-                                   f"{self.config.deadline_s:g} s{hint}")
+                                   f"{self.config.deadline_s:g} s" + (
+                                       " (raise it for a slow module; remote_hardware."
+                                       "on_failure: wait waits for a server that restarts)"
+                                       if waits else ""))
         if code == grpc.StatusCode.UNAVAILABLE:
+            # The hint before gRPC's details: a summary line may cut what comes last.
             return RemoteTierError(f"{where}: the server is unreachable after {tries} "
-                                   f"tr{'y' if tries == 1 else 'ies'} in {seconds:.1f} s "
-                                   f"({details}){hint}")
+                                   f"tr{'y' if tries == 1 else 'ies'} in {seconds:.1f} s" + (
+                                       "; remote_hardware.on_failure: wait waits for it"
+                                       if waits else "") + f" ({details})")
         return RemoteTierError(f"{where} failed on the server: {code.name}: {details}")
 
     def _where(self, op: str, step: int | None) -> str:

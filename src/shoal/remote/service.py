@@ -47,6 +47,10 @@ def _invalid(message: str) -> CallError:
     return CallError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def signature(module: nn.Module) -> dict[str, dict[str, tuple[list[int], str]]]:
     def spec(tensors):
         return {n: (list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors}
@@ -169,8 +173,8 @@ class TierService:
                            f"{[k[:60] for k in sorted(set(sent) - set(self.state_specs))[:4]]}")
         for key, value in sent.items():
             shape, dtype = self.state_specs[key]
-            if list(value.shape) != shape or str(value.dtype).removeprefix("torch.") != dtype:
-                raise _invalid(f"{key}: {str(value.dtype).removeprefix('torch.')} "
+            if list(value.shape) != shape or _name(value.dtype) != dtype:
+                raise _invalid(f"{key}: {_name(value.dtype)} "
                                f"{list(value.shape)} sent, {dtype} {shape} served")
         return sent
 
@@ -226,9 +230,9 @@ class TierService:
                 continue
             grad = tensors.get(f"gout.{i}")
             if grad is None or grad.shape != out.shape or grad.dtype != out.dtype:
-                got = "none" if grad is None else f"{grad.dtype} {list(grad.shape)}"
-                raise _invalid(f"backward: gout.{i} must be {out.dtype} {list(out.shape)} "
-                               f"like out.{i}; got {got}")
+                got = "none" if grad is None else f"{_name(grad.dtype)} {list(grad.shape)}"
+                raise _invalid(f"backward: gout.{i} must be {_name(out.dtype)} "
+                               f"{list(out.shape)} like out.{i}; got {got}")
             pairs.append((out, grad))
         del session.pending[header.get("forward_id", "")]
         params = dict(session.module.named_parameters())

@@ -87,7 +87,9 @@ class Decoder:
         except (ValueError, RecursionError) as exc:
             raise WireError(f"the first message is not a JSON header ({exc})") from None
         if not isinstance(header, dict):
-            raise WireError(f"the header is a JSON {type(header).__name__}, not an object")
+            kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+                type(header), "number")
+            raise WireError(f"the header is a JSON {kind}, not an object")
         specs = header.pop("tensors", [])
         if not isinstance(specs, list):
             raise WireError("the header's 'tensors' is not a list")
