@@ -71,15 +71,17 @@ def encode(header: dict[str, Any], tensors: dict[str, torch.Tensor],
 
 class Decoder:
     """Reads one stream message by message: ``header(first)`` checks the header's tensor
-    specs against ``max_bytes`` before any byte of them arrives; ``feed`` appends the bytes
-    as they come (the buffer grows with what was sent, never with what was declared);
-    ``tensors`` cuts them into tensors once the stream ended."""
+    specs against ``max_bytes`` before any byte of them arrives; ``feed`` keeps the bytes
+    as they come (what is held grows with what was sent, never with what was declared);
+    ``tensors`` joins them once (one copy, as a buffer filled in place would cost) and
+    cuts them into tensors once the stream ended."""
 
     def __init__(self, max_bytes: int | None = MAX_CALL_BYTES):
         self.max_bytes = max_bytes
         self.specs: list[tuple[str, torch.dtype, list[int], int]] = []
         self.expected = 0
-        self.body = bytearray()
+        self.pieces: list[bytes] = []  # joined once at the end: one copy, as they came
+        self.received = 0
 
     def header(self, first: bytes) -> dict[str, Any]:
         try:
@@ -111,16 +113,19 @@ class Decoder:
         return {name for name, *_ in self.specs}
 
     def feed(self, message: bytes) -> None:
-        if len(self.body) + len(message) > self.expected:
+        self.received += len(message)
+        if self.received > self.expected:
             raise WireError(f"the stream holds more than the {self.expected:,} bytes of "
                             "tensors its header lists")
-        self.body += message
+        self.pieces.append(message)
 
     def tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        if len(self.body) != self.expected:
-            raise WireError(f"the stream holds {len(self.body)} bytes of tensors; the header "
+        if self.received != self.expected:
+            raise WireError(f"the stream holds {self.received} bytes of tensors; the header "
                             f"lists {self.expected} (cut short?)")
-        view, offset, tensors = memoryview(self.body), 0, {}
+        body = bytearray().join(self.pieces)  # writable: tensors are made on it, not copied
+        self.pieces = []
+        view, offset, tensors = memoryview(body), 0, {}
         for name, dtype, shape, size in self.specs:
             if size:
                 flat = torch.frombuffer(view[offset:offset + size], dtype=dtype)
