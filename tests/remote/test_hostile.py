@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from shoal.remote import GrpcRemoteTier, RemoteModule, wire
+from shoal.remote import GrpcRemoteTier, RemoteModule, RemoteTierError, wire
 from shoal.remote.server import NEEDS_STATE, SERVICE, RemoteServer, TierService
 from tests.remote import raw
 from tests.remote.blocks import Block
@@ -161,4 +161,23 @@ def test_stale_sessions_are_dropped_on_schedule_and_the_trainer_carries_on(in_pr
     with torch.no_grad():  # the server asks for the state again, and gets it
         assert torch.equal(remote(x), block(x))
     tier.close()
+    assert not service.sessions
+
+
+def test_sessions_are_bounded_in_number(in_process):
+    service, endpoint = in_process(max_sessions=2)
+    x = torch.randn(2, 128)
+    tiers = [GrpcRemoteTier({"endpoint": endpoint, "deadline_s": 10}) for _ in range(3)]
+    blocks = [Block(128) for _ in tiers]
+    remotes = [RemoteModule(block, tier=tier) for block, tier in zip(blocks, tiers, strict=True)]
+    with torch.no_grad():
+        remotes[0](x), remotes[1](x)
+        with pytest.raises(RemoteTierError, match=r"RESOURCE_EXHAUSTED: the server holds 2 "
+                           r"sessions already \(one per trainer process; an unused one goes "
+                           r"after --session-ttl\)$"):
+            remotes[2](x)
+        tiers[0].close()  # a trainer that ends leaves room
+        assert torch.equal(remotes[2](x), blocks[2](x))
+    for tier in tiers[1:]:
+        tier.close()
     assert not service.sessions

@@ -143,6 +143,7 @@ class RemoteServer:
                                         daemon=True)
         self._thread.start()
         self._stopped = threading.Event()
+        self._sweeper: asyncio.Future | None = None
         try:
             self.port = self._do(self._bind(host, port, tls))
         except BaseException:
@@ -185,7 +186,8 @@ class RemoteServer:
         self._sweeper = asyncio.ensure_future(self.calls.sweep())
 
     async def _stop(self, grace: float) -> None:
-        self._sweeper.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
 

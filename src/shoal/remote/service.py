@@ -31,6 +31,7 @@ NEEDS_STATE = "shoal-remote: unknown session, send the module state"
 KEEP_REPLIES = 4  # per session: enough for the retries of the last calls
 KEEP_PENDING = 64  # forwards waiting for their backward (gradient accumulation, eval)
 SESSION_TTL_S = 600.0
+MAX_SESSIONS = 256  # trainer processes one server holds a module copy for
 MAX_ID = 128  # characters of a session or request id
 AUTOCAST = ("float16", "bfloat16")
 
@@ -73,7 +74,7 @@ class TierService:
 
     def __init__(self, builder: str, args: dict[str, Any] | None = None,
                  device: str | None = None, token: str | None = None,
-                 session_ttl_s: float = SESSION_TTL_S):
+                 session_ttl_s: float = SESSION_TTL_S, max_sessions: int = MAX_SESSIONS):
         from shoal.config.imports import import_builder
 
         self.builder = builder
@@ -94,7 +95,10 @@ class TierService:
             **{f"param.{n}": s for n, s in self.signature["parameters"].items()},
             **{f"buffer.{n}": s for n, s in self.signature["buffers"].items()}}
         self.token = token
+        if not session_ttl_s > 0:
+            raise UsageError(f"--session-ttl must be positive, got {session_ttl_s:g}")
         self.session_ttl_s = session_ttl_s
+        self.max_sessions = max_sessions
         self.sessions: dict[str, _Session] = {}
         self.lock = threading.Lock()
 
@@ -158,6 +162,13 @@ class TierService:
                             f"{op}: unknown session (the server restarted since its forward?)")
         if not self._sent_state(tensors):  # nothing is kept for a call that brings no state
             raise CallError(grpc.StatusCode.FAILED_PRECONDITION, NEEDS_STATE)
+        self.sweep()
+        with self.lock:
+            full = len(self.sessions) >= self.max_sessions
+        if full:
+            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"the server holds {self.max_sessions} sessions already (one per "
+                            "trainer process; an unused one goes after --session-ttl)")
         module = copy.deepcopy(self.base)
         with self.lock:
             return self.sessions.setdefault(key, _Session(module))
