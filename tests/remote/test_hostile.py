@@ -96,16 +96,16 @@ def test_idle_streams_starve_neither_the_health_check_nor_a_trainer(serve):
     half = [chan.stream_stream(f"/{SERVICE}/Call")(raw.held([_spec([4])], release), timeout=30)
             for chan in (raw.channel(server.endpoint),)]  # a header and then nothing
     time.sleep(0.5)
+    # A ninth call in flight on one connection is refused at once.
+    code, details, _ = raw.call(connections[0], raw.held([], release), timeout=5)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    assert details == "8 calls in flight on this connection already; wait for one to end"
     assert raw.healthy(raw.channel(server.endpoint), timeout=2)
     tier = GrpcRemoteTier({"endpoint": server.endpoint, "deadline_s": 3})
     block = Block()
     x = torch.randn(4, 32)
     with torch.no_grad():
         assert torch.equal(RemoteModule(block, tier=tier)(x), block(x))
-    # A ninth call in flight on one connection is refused at once.
-    code, details, _ = raw.call(connections[0], raw.held([], release), timeout=5)
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
-    assert details == "8 calls in flight on this connection already; wait for one to end"
     # The server ends the idle streams itself, by its read deadline.
     for pending, what in [(p, "its header") for p in idle] + [(half[0], "its next message")]:
         assert pending.code() == grpc.StatusCode.DEADLINE_EXCEEDED
