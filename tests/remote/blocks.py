@@ -51,3 +51,15 @@ def model(remote: bool = False, width: int = WIDTH) -> Net:
     """The run config's model builder."""
     torch.manual_seed(0)
     return Net(remote, width)
+
+
+class Swapped(Block):
+    """Another module with the Block's parameters: relu where the Block has tanh."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(torch.relu(self.fc1(x))))
+
+
+def swapped(width: int = WIDTH) -> Swapped:
+    """What a server that replaced the Block's serves (`--module tests.remote.blocks:swapped`)."""
+    return Swapped(width)

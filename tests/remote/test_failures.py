@@ -1,11 +1,13 @@
 """Failures of the remote tier, injected: the server killed mid-step (one error naming the
 endpoint and the step, within the deadline; with restarts the job resumes exactly once the
 server is back), a server too slow for the deadline, a module that does not match, a call
-repeated after a lost reply."""
+repeated after a lost reply, a server replaced by one serving another module, waiting for a
+server that is gone."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from shoal.errors import UsageError
+from shoal.launch.ports import free_port
 from shoal.remote import GrpcRemoteTier, RemoteModule, RemoteTierError, wire
 from tests.helpers import REPO, run_shoal, states_equal
 from tests.remote.blocks import Block
@@ -51,6 +54,7 @@ def test_server_killed_mid_step_is_one_error_naming_endpoint_and_step(serve, tmp
     summary = next(line for line in err.splitlines() if "failed first" in line)
     assert f"raised RemoteTierError: remote tier {server.endpoint}: " in summary, summary
     assert " of step " in summary and "the server is unreachable after 4 tries" in summary
+    assert " s; remote_hardware.on_failure: wait waits for it (" in summary, summary
 
 
 def test_killed_server_back_and_the_job_resumes_exactly(serve, tmp_path):
@@ -69,6 +73,7 @@ def test_killed_server_back_and_the_job_resumes_exactly(serve, tmp_path):
     _, err = job.communicate(timeout=150)
     assert job.returncode == 0, err[-3000:]
     assert "is back: the job can resume from its last checkpoint" in err
+    assert f"shoal remote: waiting for the remote server at {server.endpoint} (" in err
     assert "resumed from" in err
     (a, meta_a), (b, meta_b) = final_state(tmp_path / "straight"), final_state(tmp_path / "killed")
     assert meta_a["global_step"] == meta_b["global_step"] == 24
@@ -84,7 +89,9 @@ def test_a_call_past_its_deadline_fails_naming_it(serve):
     remote = RemoteModule(Block(), tier=_tier(server.endpoint, deadline_s=0.5))
     started = time.monotonic()
     with pytest.raises(RemoteTierError, match=rf"remote tier {server.endpoint}: forward of "
-                       r"step \d+: no reply within deadline_s 0.5 s"):
+                       r"step \d+: no reply within deadline_s 0.5 s \(raise it for a slow "
+                       r"module; remote_hardware.on_failure: wait waits for a server that "
+                       r"restarts\)$"):
         remote(torch.randn(4, 32))
     assert time.monotonic() - started < 2.5
 
@@ -143,3 +150,54 @@ def test_calls_in_flight_from_two_sessions_do_not_mix(serve):
             assert torch.equal(results[i], blocks[i](x))
     for t in tiers:
         t.close()
+
+
+def test_on_failure_wait_says_what_it_waits_for_and_fail_names_the_option(capfd):
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    waiting = _tier(endpoint, on_failure="wait", wait_s=2.5, deadline_s=2)
+    with pytest.raises(RemoteTierError, match=f"remote tier {endpoint}: connect"):
+        waiting.capabilities()
+    lines = [line for line in capfd.readouterr().err.splitlines() if "waiting" in line]
+    # About a dozen health checks failed: one line said so (the next is due after 10 s).
+    assert len(lines) == 1, lines
+    assert re.fullmatch(rf"shoal remote: waiting for the remote server at {endpoint} "
+                        r"\(\d s of on_failure 'wait' up to wait_s 2.5 s\)", lines[0]), lines
+    failing = _tier(endpoint)
+    with pytest.raises(RemoteTierError, match=r"unreachable after 1 try in 0.0 s; "
+                       r"remote_hardware.on_failure: wait waits for it \(.*\)$"):
+        failing.capabilities()
+
+
+def _replace(server, module: str) -> None:
+    """Kill ``server`` and start one serving ``module`` on its port."""
+    server.kill()
+    for stream in (server.proc.stdout, server.proc.stderr):
+        stream.close()
+    server.module = module
+    server.start()
+
+
+def test_a_server_replaced_by_one_serving_another_module_is_refused_naming_both(serve):
+    server = serve()
+    block = Block()
+    remote = RemoteModule(block, tier=_tier(server.endpoint, deadline_s=10))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        remote(x)
+    _replace(server, "tests.remote.blocks:swapped")  # the same parameters, another forward
+    message = (rf"^remote tier {server.endpoint}: forward of step \d+: the server now serves "
+               r"tests.remote.blocks:swapped, not tests.remote.blocks:block which this run "
+               r"started with \(it was replaced: serve the same module there again, or "
+               r"start the run anew\)$")
+    # Unchanged parameters: the new server asks for them, and is asked what it serves.
+    with torch.no_grad(), pytest.raises(RemoteTierError, match=message):
+        remote(x)
+    # After an optimizer step the parameters go with the call, which names its module.
+    with torch.no_grad():
+        block.fc1.bias.add_(0.1)
+    with torch.no_grad(), pytest.raises(RemoteTierError, match=message):
+        remote(x)
+    # The same module served again is used as before.
+    _replace(server, "tests.remote.blocks:block")
+    with torch.no_grad():
+        assert torch.equal(remote(x), block(x))

@@ -105,3 +105,25 @@ def test_tls_verifies_the_server_and_carries_the_calls(serve, tmp_path):
         stranger = GrpcRemoteTier({"endpoint": server.endpoint, "deadline_s": 5, **settings})
         with pytest.raises(RemoteTierError, match=f"remote tier {server.endpoint}: connect"):
             stranger.capabilities()
+
+
+def test_a_token_too_large_for_the_metadata_is_named_with_its_size(tmp_path, monkeypatch):
+    big = tmp_path / "big-token"
+    big.write_text("x" * (1 << 20) + "\n")
+    with pytest.raises(UsageError, match=rf"^remote_hardware.token_file {big}: the token is "
+                       r"1,048,576 bytes; it travels in every call's metadata, which takes at "
+                       r"most 4,096$"):
+        GrpcRemoteTier({"endpoint": "127.0.0.1:50051", "token_file": str(big)})
+    monkeypatch.setenv("SHOAL_TEST_TOKEN", "y" * 5000)
+    with pytest.raises(UsageError, match=r"^remote_hardware.token_env SHOAL_TEST_TOKEN: the "
+                       r"token is 5,000 bytes"):
+        GrpcRemoteTier({"endpoint": "127.0.0.1:50051", "token_env": "SHOAL_TEST_TOKEN"})
+    monkeypatch.setenv("SHOAL_TEST_TOKEN", "tab\there")
+    with pytest.raises(UsageError, match="holds characters other than printable ASCII"):
+        GrpcRemoteTier({"endpoint": "127.0.0.1:50051", "token_env": "SHOAL_TEST_TOKEN"})
+    out = run_shoal("remote", "serve", "--module", "tests.remote.blocks:block", "--port", "0",
+                    "--token-file", str(big))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"shoal remote serve: error: --token-file {big}: the token is 1,048,576 bytes; it "
+        "travels in every call's metadata, which takes at most 4,096")

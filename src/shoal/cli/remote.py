@@ -11,6 +11,10 @@ import threading
 
 from shoal.errors import UsageError
 
+# The server's defaults (shoal.remote.server.ServeLimits, service.SESSION_TTL_S), written
+# out so that the CLI starts without importing torch and grpc.
+MAX_CALL_MB, READ_TIMEOUT_S, SESSION_TTL_S = 1024, 10.0, 600.0
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("remote", help="the remote hardware tier: serve a module")
@@ -42,6 +46,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="allow plain text on a non-loopback --host")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch's intra-op threads (default: torch's choice)")
+    serve.add_argument("--max-call-mb", type=int, default=MAX_CALL_MB,
+                       metavar="MIB", help="tensor bytes one call may declare, in MiB "
+                       f"(default {MAX_CALL_MB}); a larger call is refused "
+                       "before any of it is read")
+    serve.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S,
+                       metavar="S", help="a call's stream must send each message within S "
+                       f"seconds (default {READ_TIMEOUT_S:g})")
+    serve.add_argument("--session-ttl", type=float, default=SESSION_TTL_S, metavar="S",
+                       help="drop a trainer's session (its copy of the module) once unused "
+                       f"for S seconds (default {SESSION_TTL_S:g})")
     serve.set_defaults(handler=serve_command, command="remote serve")
 
 
@@ -59,7 +73,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from shoal.config.loader import read_yaml
     from shoal.data.serve import ReplicateError, is_loopback, read_token
     from shoal.launch.ports import check_port_free
-    from shoal.remote.server import RemoteServer, TierService
+    from shoal.remote.server import RemoteServer, ServeLimits, TierService
+    from shoal.remote.tier import check_token
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("give --tls-cert and --tls-key together")
@@ -77,6 +92,12 @@ def serve_command(args: argparse.Namespace) -> int:
         token = read_token(None, args.token_file)
     except ReplicateError as exc:
         raise UsageError(str(exc)) from None
+    if token is not None:
+        check_token(token, f"--token-file {args.token_file}")
+    for flag, value in (("--max-call-mb", args.max_call_mb), ("--read-timeout",
+                        args.read_timeout), ("--session-ttl", args.session_ttl)):
+        if not value > 0:
+            raise UsageError(f"{flag} must be positive, got {value:g}")
     if os.getcwd() not in sys.path:  # --module imports from here, as `python -m` would
         sys.path.insert(0, os.getcwd())
     builder_args = read_yaml(args.args) or {}
@@ -87,8 +108,9 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.port:
         check_port_free(args.host, args.port, "--port", "pick another --port, or 0 for a "
                         "free one")
-    service = TierService(args.module, builder_args, args.device, token)
-    server = RemoteServer(service, args.host, args.port, tls).start()
+    service = TierService(args.module, builder_args, args.device, token, args.session_ttl)
+    limits = ServeLimits(max_call_bytes=args.max_call_mb << 20, read_timeout_s=args.read_timeout)
+    server = RemoteServer(service, args.host, args.port, tls, limits=limits).start()
     count = sum(p.numel() for p in service.base.parameters())
     print(f"shoal remote: serving {args.module} ({count:,} parameters, {service.device}) at "
           f"{args.host}:{server.port} ({'TLS' if tls else 'plain text'}, "

@@ -19,6 +19,21 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shoal.data.serve import is_loopback
 from shoal.errors import UsageError
 
+MAX_TOKEN = 4096  # bytes: the token travels in every call's metadata (gRPC takes 8 KiB)
+
+
+def check_token(token: str, where: str) -> str:
+    """``token`` if it fits a call's metadata; else a UsageError naming ``where`` (the file
+    or variable it came from) and its size."""
+    size = len(token.encode())
+    if size > MAX_TOKEN:
+        raise UsageError(f"{where}: the token is {size:,} bytes; it travels in every call's "
+                         f"metadata, which takes at most {MAX_TOKEN:,}")
+    if not all(" " <= c <= "~" for c in token):
+        raise UsageError(f"{where}: the token ({size:,} bytes) holds characters other than "
+                         "printable ASCII, which a call's metadata cannot carry")
+    return token
+
 
 class RemoteTierError(RuntimeError):
     """A remote call failed; the message names the endpoint, the call and the step."""
@@ -138,13 +153,13 @@ class RemoteConfig(BaseModel):
                                  f"{exc.strerror}") from None
             if not token:
                 raise UsageError(f"remote_hardware.token_file {self.token_file} is empty")
-            return token
+            return check_token(token, f"remote_hardware.token_file {self.token_file}")
         if self.token_env:
             token = os.environ.get(self.token_env, "").strip()
             if not token:
                 raise UsageError(f"remote_hardware.token_env: the environment variable "
                                  f"{self.token_env} is not set")
-            return token
+            return check_token(token, f"remote_hardware.token_env {self.token_env}")
         return None
 
 
