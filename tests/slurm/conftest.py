@@ -6,6 +6,7 @@ import pytest
 
 from tests.multihost import hosts as test_hosts
 from tests.slurm.cluster import SlurmCluster, unavailable
+from tests.slurm.runs import train_locally
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +33,16 @@ def mpirun():
         pytest.skip("mpirun is not installed (Debian package openmpi-bin; the README's test "
                     "command installs it)")
     return found
+
+
+@pytest.fixture(scope="session")
+def local_run(slurm_available, tmp_path_factory):
+    """``local_run(nproc)``: the final state of the run on ``nproc`` processes of this
+    machine, the reference each scheduler's run must equal bit for bit (trained once)."""
+    done: dict[int, dict] = {}
+
+    def run(nproc: int) -> dict:
+        if nproc not in done:
+            done[nproc] = train_locally(tmp_path_factory.mktemp(f"local{nproc}"), nproc)
+        return done[nproc]
+    return run
