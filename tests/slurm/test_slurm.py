@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -98,7 +99,8 @@ def test_srun_with_one_task_per_worker_equals_four_local_processes(slurm_cluster
                                                                    tmp_path):
     project(tmp_path)
     out = slurm_cluster.run(
-        ["srun", "--nodes=2", "--ntasks=4", "--kill-on-bad-exit=1", "shoal", "train",
+        ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--kill-on-bad-exit=1",
+         "shoal", "train",
          "--config", "examples/digits.yaml", *RUN, CHECKPOINTS],
         cwd=tmp_path, env={**slurm_cluster.env, **job_env()}, timeout=150, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -112,14 +114,36 @@ def test_a_node_whose_steps_are_killed_is_named_and_the_job_fails(slurm_cluster,
     job = slurm_cluster.sbatch(script, cwd=tmp_path, env=job_env())
     _wait_for_steps(slurm_cluster, tmp_path, job)
     hosts = slurm_cluster.hosts
-    for pid in hosts.pids(1):  # every process of the job's step on host1, as a node that dies
+    killed = []
+    for pid in hosts.pids(1):  # the step's processes on host1 (shoal and its worker) at once
         try:
-            if "shoal" in Path(f"/proc/{pid}/cmdline").read_text():
+            if b"shoal" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
         except (FileNotFoundError, ProcessLookupError):
             pass
+    assert len(killed) == 2, killed
     state = slurm_cluster.wait(job, timeout=120)
     log = _log(tmp_path, job)
-    assert state["JobState"] == "FAILED", log
-    print(log)
-    assert "host1" in log
+    # srun's status is its worst task's: 128 + SIGKILL on host1.
+    assert (state["JobState"], state["ExitCode"]) == ("FAILED", "137:0"), log
+    summary = [line for line in log.splitlines() if "failed first" in line]
+    assert len(summary) == 1, log
+    assert summary[0].startswith("shoal: rank 0 failed first (lost its connection to a failed "
+                                 f"rank on node host1 ({hosts.addr(1)}): "), log
+    assert "srun: error: host1: task 1: Killed" in log, log
+
+
+@pytest.mark.parametrize("args", [
+    ["--nodes", "2"],
+    ["--nodes", "4", "--gpus-per-node", "8", "--cpus-per-task", "32", "--time", "1-00:00:00",
+     "--partition", "gpu", "--account", "proj-1", "--job-name", "my.run",
+     "trainer.epochs=3", "run.dir=runs/a b", "data.args.seed=1"],
+], ids=["defaults", "every-option"])
+def test_the_script_passes_shellcheck(tmp_path, args):
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (Debian package shellcheck)")
+    script = _script(tmp_path, *args)
+    out = subprocess.run(["shellcheck", "--severity=style", str(script)], capture_output=True,
+                         text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, ""), out.stdout
