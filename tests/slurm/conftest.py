@@ -36,7 +36,7 @@ def mpirun():
 
 
 @pytest.fixture(scope="session")
-def local_run(slurm_available, tmp_path_factory):
+def local_run(tmp_path_factory):
     """``local_run(nproc)``: the final state of the run on ``nproc`` processes of this
     machine, the reference each scheduler's run must equal bit for bit (trained once)."""
     done: dict[int, dict] = {}
