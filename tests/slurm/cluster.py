@@ -9,9 +9,10 @@ Each host (a network namespace from tests/multihost/hosts.py) is a node named af
 ``host0``, ``host1``, ..., at its own address; its slurmd runs inside it, so the tasks it
 starts run there too. slurmctld runs on host0, the head node, where the client commands
 (sbatch, srun, scontrol) run as well. munged has a pathname socket, which every namespace
-reaches. Everything is under ``workdir`` (state, spool, logs) but munged's socket and key,
-in a directory of /tmp of their own: munged wants every directory above its socket open to
-all (pytest's are not). The daemons are stopped by pid on exit, the directories removed.
+reaches. Everything is under ``workdir`` (state, logs) but munged's socket and key and
+slurmd's spool, in a short directory of /tmp of their own: munged wants every directory
+above its socket open to all (pytest's are not), and slurmstepd's sockets in the spool
+must have paths under 108 bytes. The daemons are stopped by pid on exit, the directories removed.
 
 ``ip netns exec`` mounts a fresh /sys with no cgroup file system in it: slurmd is told
 ``CgroupPlugin=cgroup/v1`` instead of probing /sys/fs/cgroup (no cgroup is used: processes
@@ -59,7 +60,7 @@ class SlurmCluster:
         self.cpus = cpus
         self.nodes = [hosts.hostname(i) for i in range(hosts.n)]
         self.conf = self.dir / "slurm.conf"
-        self.munge = Path(tempfile.mkdtemp(prefix="shoal-munge-"))
+        self.short = Path(tempfile.mkdtemp(prefix="shoal-slurm-"))
         self._munged: subprocess.Popen | None = None
         self._daemons: list[subprocess.Popen] = []
 
@@ -80,9 +81,9 @@ SlurmctldPort={CTL_PORT}
 SlurmdPort={NODE_PORT}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge}/munge.sock,cred_expire=5
+AuthInfo=socket={self.short}/munge.sock,cred_expire=5
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool/%n
+SlurmdSpoolDir={self.short}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
@@ -114,9 +115,10 @@ KillWait=5
 
     def start(self, timeout: float = 30) -> None:
         d = self.dir
-        for sub in ("state", *(f"spool/{name}" for name in self.nodes)):
-            (d / sub).mkdir(parents=True, exist_ok=True)
-        m = self.munge
+        (d / "state").mkdir(parents=True, exist_ok=True)
+        m = self.short
+        for name in self.nodes:
+            (m / "spool" / name).mkdir(parents=True)
         os.chmod(m, 0o755)  # munged: others may enter, not write
         key = m / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -205,4 +207,4 @@ KillWait=5
                 proc.kill()
                 proc.wait()
         self._daemons, self._munged = [], None
-        shutil.rmtree(self.munge, ignore_errors=True)
+        shutil.rmtree(self.short, ignore_errors=True)
