@@ -80,6 +80,9 @@ def test_sbatch_without_gpus_runs_one_worker_per_node():
     assert "--gpus-per-node" not in script and "--time" not in script
     assert _srun_line(script) == ["srun", "shoal", "train", "--config", DIGITS,
                                   "--nproc-per-node", "1"]
+    script = sbatch_script(SlurmJob(config=DIGITS, nodes=2, workers=3))
+    assert "# Written by `shoal slurm`: 2 nodes x 3 workers." in script
+    assert _srun_line(script)[-2:] == ["--nproc-per-node", "3"]
 
 
 @pytest.mark.parametrize("srun_code, scontrol_args, script_code", [
@@ -167,6 +170,8 @@ def test_k8s_cli_prints_every_document_of_kind_all(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["slurm", "--config", DIGITS, "--nodes", "0"], "--nodes must be at least 1"),
+    (["slurm", "--config", DIGITS, "--nodes", "1", "--nproc-per-node", "0"],
+     "--nproc-per-node must be at least 1"),
     (["slurm", "--config", DIGITS, "--nodes", "2", "--time", "4h"], "--time must be HH:MM:SS"),
     (["slurm", "--config", DIGITS, "--nodes", "2", "--time", "00:01:00"],
      "longer than --signal-seconds 120"),

@@ -21,6 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
     parser.add_argument("--gpus-per-node", type=int, default=0, metavar="G",
                         help="GPUs per node, one worker each (default 0: one CPU worker)")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="P",
+                        help="workers per node (default: the GPUs per node, else 1)")
     parser.add_argument("--cpus-per-task", type=int, default=None, metavar="C",
                         help="CPUs for each node's workers (default: the cluster's)")
     parser.add_argument("--time", default=None, metavar="HH:MM:SS",
@@ -43,7 +45,8 @@ def slurm_command(args: argparse.Namespace) -> int:
 
     job = SlurmJob(
         config=args.config, nodes=args.nodes, overrides=list(args.overrides),
-        gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,
+        gpus_per_node=args.gpus_per_node, workers=args.nproc_per_node,
+        cpus_per_task=args.cpus_per_task, time=args.time,
         partition=args.partition, job_name=args.job_name or f"shoal-{Path(args.config).stem}",
         account=args.account, signal_seconds=args.signal_seconds, workdir=os.getcwd(),
     )

@@ -53,7 +53,9 @@ class SlurmJob:
     overrides: list[str] = field(default_factory=list)
     """``key.sub=value`` overrides passed to `shoal train`."""
     gpus_per_node: int = 0
-    """GPUs per node; also the workers per node (1 worker when 0)."""
+    """GPUs per node; also the workers per node (1 worker when 0) unless ``workers`` is set."""
+    workers: int | None = None
+    """Workers per node; ``gpus_per_node`` (1 when 0) if None."""
     cpus_per_task: int | None = None
     """CPUs for each node's task (its workers share them); the cluster's default if None."""
     time: str | None = None
@@ -72,6 +74,7 @@ class SlurmJob:
     def __post_init__(self) -> None:
         _check_count("--nodes", self.nodes, 1)
         _check_count("--gpus-per-node", self.gpus_per_node, 0)
+        _check_count("--nproc-per-node", self.workers, 1)
         _check_count("--cpus-per-task", self.cpus_per_task, 1)
         if not 1 <= self.signal_seconds <= 65535:
             raise UsageError(f"--signal-seconds must be in 1..65535, got {self.signal_seconds}")
@@ -86,7 +89,7 @@ class SlurmJob:
 
     @property
     def nproc_per_node(self) -> int:
-        return self.gpus_per_node or 1
+        return self.workers or self.gpus_per_node or 1
 
 
 def requeue_overrides(config: RunConfig) -> list[str]:

@@ -222,7 +222,8 @@ def launch(spec: LaunchSpec) -> int:
                              f"per-rank logs: {log_dir}\n")
             return HANG_EXIT_CODE
         # The logs stay: the summary points to them.
-        return report_failure(failed, log_dir, first_rank=spec.node_rank * spec.nproc_per_node)
+        return report_failure(failed, log_dir, first_rank=spec.node_rank * spec.nproc_per_node,
+                              nodes=nodes.known() if nodes else ())
     finally:
         for thread in (watch, nodes):
             if thread is not None:

@@ -64,6 +64,11 @@ class NodeWatch(threading.Thread):
                 if self._heard.get(node, (None,))[0] != count:
                     self._heard[node] = (count, now)
 
+    def known(self) -> list[str]:
+        """Every other node heard from so far, as 'HOSTNAME (ADDRESS)'."""
+        with self._lock:
+            return sorted(node for node in self._heard if node != self.me)
+
     def silent(self, longer_than: float) -> list[str]:
         """One line per node (or the store) not heard from for more than ``longer_than`` s."""
         now = time.monotonic()

@@ -6,7 +6,8 @@ import glob
 import os
 import re
 import signal
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from rich.console import Console
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -149,13 +150,29 @@ def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure
                key=lambda item: (not classify(item[1]).own, item[1].timestamp, item[0]))
 
 
+def _lost_node(message: str, nodes: Sequence[str]) -> str | None:
+    """The node, of 'HOSTNAME (ADDRESS)' labels, whose address the lost connection names
+    (gloo: 'Connection closed by peer [ADDRESS]:PORT')."""
+    for node in nodes:
+        address = node.rpartition(" (")[2].rstrip(")")
+        if f"[{address}]" in message or f" {address}:" in message:
+            return node
+    return None
+
+
 def report_failure(failed: ChildFailedError, log_dir: str, first_rank: int = 0,
-                   console: Console | None = None) -> int:
-    """Print the summary of a failed job to stderr and return the launcher's exit code."""
+                   console: Console | None = None, nodes: Sequence[str] = ()) -> int:
+    """Print the summary of a failed job to stderr and return the launcher's exit code.
+    ``nodes``: the other nodes of a multi-node job ('HOSTNAME (ADDRESS)'), to name the one
+    a rank lost its connection to."""
     console = console or Console(stderr=True, highlight=False)
     failures = collect_failures(failed, log_dir, first_rank)
     root_rank, root = root_cause(failures)
     cause = classify(root)
+    lost = None if cause.own else _lost_node(_recorded_message(root), nodes)
+    if lost is not None:
+        cause = replace(cause, text=cause.text.replace(
+            "a failed rank", f"a failed rank on node {lost}", 1))
     console.print(f"[bold red]shoal: rank {root_rank} failed first[/] ({cause.text}; "
                   f"local rank {root.local_rank}, pid {root.pid})", markup=True, soft_wrap=True)
     for rank in sorted(r for r in failures if r != root_rank):
