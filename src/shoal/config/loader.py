@@ -12,10 +12,9 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from shoal.config.errors import usage_error
-from shoal.config.imports import import_builder
 from shoal.config.schema import BuilderConfig, RLRunConfig, RunConfig
-from shoal.errors import UsageError
+from shoal.errors import UsageError, usage_error
+from shoal.imports import import_builder
 
 
 class _Loader(yaml.SafeLoader):
