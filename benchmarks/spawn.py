@@ -21,7 +21,7 @@ import time
 import torch
 
 import shoal
-import shoal.runtime.spawn as spawn_module
+import shoal.launch.spawn as spawn_module
 
 
 def one_step() -> float:

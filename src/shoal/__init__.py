@@ -31,8 +31,8 @@ _LAZY = {
     "world_size": "shoal.runtime.dist",
     "heartbeat": "shoal.runtime.heartbeat",
     "info": "shoal.runtime.info",
-    "WorkerFailedError": "shoal.runtime.spawn",
-    "spawn": "shoal.runtime.spawn",
+    "WorkerFailedError": "shoal.launch.spawn",
+    "spawn": "shoal.launch.spawn",
     "TrainerConfig": "shoal.training.config",
     "Harness": "shoal.training.harness",
     "seed_everything": "shoal.training.harness",
@@ -56,6 +56,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see
+    from shoal.launch.spawn import WorkerFailedError, spawn
     from shoal.runtime.collectives import (
         all_gather,
         all_gather_object,
@@ -77,7 +78,6 @@ if TYPE_CHECKING:  # what type checkers and editors see
     )
     from shoal.runtime.heartbeat import heartbeat
     from shoal.runtime.info import info
-    from shoal.runtime.spawn import WorkerFailedError, spawn
     from shoal.training.config import TrainerConfig
     from shoal.training.harness import Harness, seed_everything
     from shoal.training.trainer import Trainer

@@ -9,7 +9,7 @@ import pytest
 from shoal.cli.main import build_parser
 from shoal.cli.run import detect_cluster, spec_from_args
 from shoal.errors import UsageError
-from tests.launch.test_cluster import HYDRA, PYTORCHJOB_WORKER, SLURM_2x1
+from tests.clusters.test_detect import HYDRA, PYTORCHJOB_WORKER, SLURM_2x1
 
 
 @pytest.fixture

@@ -11,16 +11,16 @@ import pytest
 import yaml
 
 from shoal.cli.main import main
-from shoal.config.loader import load_run_config
-from shoal.errors import UsageError
-from shoal.launch.cluster import detect
-from shoal.launch.jobscripts import (
+from shoal.clusters.detect import detect
+from shoal.clusters.jobscripts import (
     K8sJob,
     SlurmJob,
     k8s_manifests,
     requeue_overrides,
     sbatch_script,
 )
+from shoal.config.loader import load_run_config
+from shoal.errors import UsageError
 
 DIGITS = "examples/digits.yaml"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from shoal.config.imports import import_builder
 from shoal.config.loader import load_run_config
 from shoal.errors import UsageError
+from shoal.imports import import_builder
 from tests.helpers import run_shoal
 
 USER_MODULES = ("mymodel", "mydata", "myloss", "shapes")

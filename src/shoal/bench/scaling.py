@@ -49,7 +49,7 @@ def run_scaling(config: RunConfig, max_nproc: int, steps: int, warmup: int,
     for world in range(1, max_nproc + 1):
         job = _job(config, world, steps, out)
         path = save_run_config(job)
-        code = launch(LaunchSpec(entry="shoal.training.entry", module=True,
+        code = launch(LaunchSpec(entry="shoal.launch.train_entry", module=True,
                                  args=["--config", str(path)], nproc_per_node=world))
         if code != 0:
             raise LaunchError(f"the run at {world} processes failed (exit code {code}); "

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def doctor_command(args: argparse.Namespace) -> int:
     from shoal.bench.allreduce import parse_size
-    from shoal.launch.doctor import DoctorConfig, run_doctor
+    from shoal.doctor.checks import DoctorConfig, run_doctor
 
     try:
         size = parse_size(args.size)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from shoal.launch.jobscripts import K8S_KINDS
+    from shoal.clusters.jobscripts import K8S_KINDS
 
     parser = subparsers.add_parser(
         "k8s",
@@ -37,9 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def k8s_command(args: argparse.Namespace) -> int:
+    from shoal.clusters.jobscripts import CONFIG_KEY, K8sJob, k8s_manifests
     from shoal.config.loader import load_run_config
     from shoal.errors import UsageError
-    from shoal.launch.jobscripts import CONFIG_KEY, K8sJob, k8s_manifests
 
     load_run_config(args.config, args.overrides)  # refused here, not in the pods
     try:

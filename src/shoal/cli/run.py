@@ -6,16 +6,16 @@ import argparse
 import os
 import sys
 
+from shoal.clusters.detect import ClusterEnv, detect
 from shoal.errors import UsageError
 from shoal.launch import LaunchSpec, launch
-from shoal.launch.cluster import ClusterEnv, detect
 from shoal.launch.config import resolve_nproc
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """The topology flags shared by `shoal run` and `shoal train`."""
     # Topology flags default to None, "not given": then the values of a scheduler found in
-    # the environment (SLURM, MPI, Kubernetes; see shoal.launch.cluster) apply, if any.
+    # the environment (SLURM, MPI, Kubernetes; see shoal.clusters.detect) apply, if any.
     parser.add_argument("--nproc-per-node", default=None,
                         help="worker processes on this node: a number or 'auto' "
                         "(default: the scheduler's, else 1)")

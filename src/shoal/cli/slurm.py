@@ -40,8 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def slurm_command(args: argparse.Namespace) -> int:
+    from shoal.clusters.jobscripts import SlurmJob, requeue_overrides, sbatch_script
     from shoal.config.loader import load_run_config
-    from shoal.launch.jobscripts import SlurmJob, requeue_overrides, sbatch_script
 
     job = SlurmJob(
         config=args.config, nodes=args.nodes, overrides=list(args.overrides),

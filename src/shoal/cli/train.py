@@ -57,7 +57,7 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
     from shoal.runtime.dist import check_gpus
 
     rl = isinstance(config, RLRunConfig)
-    entry = "shoal.rl.entry" if rl else "shoal.training.entry"
+    entry = "shoal.launch.rl_entry" if rl else "shoal.launch.train_entry"
     if args.nproc_per_node is not None:
         config.run.nproc_per_node = args.nproc_per_node  # validated again by spec_from_args
     if getattr(args, "dashboard", False) and args.log_dir is None:

@@ -1,1 +1,2 @@
-"""Validated configuration: the Trainer's settings and the `shoal train` YAML schema."""
+"""The run config: the `shoal train` YAML schema, which collects each feature's own settings
+(``TrainerConfig``, ``RemoteConfig``, ``PPOConfig``), and its loader."""

@@ -12,10 +12,9 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from shoal.config.errors import usage_error
-from shoal.config.imports import default_code_paths, import_builder, use_code_paths
 from shoal.config.schema import BuilderConfig, RLRunConfig, RunConfig
-from shoal.errors import UsageError
+from shoal.errors import UsageError, usage_error
+from shoal.imports import default_code_paths, import_builder, use_code_paths
 
 
 class _Loader(yaml.SafeLoader):

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import NoReturn
 
-from shoal.launch.cluster import ClusterEnv
+from shoal.clusters.detect import ClusterEnv
 from shoal.launch.config import LaunchSpec
 from shoal.launch.launcher import _worker_argv
 

@@ -75,7 +75,7 @@ class TierService:
     def __init__(self, builder: str, args: dict[str, Any] | None = None,
                  device: str | None = None, token: str | None = None,
                  session_ttl_s: float = SESSION_TTL_S, max_sessions: int = MAX_SESSIONS):
-        from shoal.config.imports import import_builder
+        from shoal.imports import import_builder
 
         self.builder = builder
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -165,7 +165,7 @@ class RemoteConfig(BaseModel):
 
 def load_tier(config: RemoteConfig) -> RemoteTier:
     """The tier the plugin's factory builds from ``config``."""
-    from shoal.config.imports import import_builder
+    from shoal.imports import import_builder
 
     factory = import_builder(config.tier_plugin, "remote_hardware.tier_plugin")
     tier = factory(config)

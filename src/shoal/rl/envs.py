@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from shoal.config.imports import import_module
+from shoal.imports import import_module
 
 _PLAIN = (bool, int, float, str, type(None))
 # Attributes that describe an environment rather than hold its state.

@@ -1,1 +1,1 @@
-"""The process-group runtime: init, ranks, collectives, spawn, info."""
+"""The process-group runtime: init, ranks, collectives, heartbeat, info."""

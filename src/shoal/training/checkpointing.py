@@ -35,6 +35,8 @@ from shoal.checkpoint import CheckpointError, CheckpointStore, rng, tree
 from shoal.errors import UsageError
 from shoal.parallel.pipeline_parallel import placed_in_stage
 from shoal.parallel.zero import gather_optimizer_state, is_zero, load_optimizer_state
+
+# layers: up to remote/, which imports nothing of training: checkpoints hold a tier's state
 from shoal.remote.module import remote_modules
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness

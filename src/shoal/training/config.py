@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from shoal.checkpoint import CheckpointStore
-from shoal.config.errors import usage_error
+from shoal.errors import usage_error
 from shoal.metrics.recorder import MetricsConfig
 from shoal.parallel.averaging import DiLoCoConfig, LocalSGDConfig
 from shoal.parallel.compression import CompressionConfig

@@ -26,7 +26,11 @@ from shoal.data.sharding import (
 from shoal.errors import NonFiniteError, UsageError
 from shoal.metrics.recorder import StepMetrics
 from shoal.parallel.pipeline_parallel import PipelineModel
+
+# layers: up to remote/, which imports nothing of training: a RemoteModule stays whole
 from shoal.remote.module import remote_modules
+
+# layers: up to remote/, as above: the layouts that would split a RemoteModule are remote's rule
 from shoal.remote.tier import splits_parameters
 from shoal.runtime.heartbeat import heartbeat
 from shoal.training.checkpointing import Checkpointing

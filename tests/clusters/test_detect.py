@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.clusters.detect import detect
+from shoal.clusters.hostlist import expand_hostlist, expand_tasks_per_node, first_host
 from shoal.errors import UsageError
-from shoal.launch.cluster import detect
 from shoal.launch.direct import worker_environment
-from shoal.launch.hostlist import expand_hostlist, expand_tasks_per_node, first_host
 
 # srun inside `sbatch --nodes=2 --ntasks-per-node=4`: what task 5 (node 1, local 1) sees.
 SLURM_2x4 = {

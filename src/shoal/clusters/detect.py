@@ -52,8 +52,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
+from shoal.clusters import hostlist
 from shoal.errors import UsageError
-from shoal.launch import hostlist
 
 DEFAULT_PORT = 29500
 _LOOPBACK = ("127.", "::1", "localhost")

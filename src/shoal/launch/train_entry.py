@@ -1,6 +1,6 @@
 """Worker entry of `shoal train`: build everything from a resolved config and fit.
 
-Run by the launcher as ``python -m shoal.training.entry --config RUN_DIR/config.yaml``
+Run by the launcher as ``python -m shoal.launch.train_entry --config RUN_DIR/config.yaml``
 (node 0), or ``--config RUN.yaml key.sub=value ...`` (the other nodes).
 """
 
@@ -75,7 +75,7 @@ def worker_main(prog: str, train: Callable[[Any], object]) -> None:
 
 
 def main() -> None:
-    worker_main("shoal.training.entry", train_from_config)
+    worker_main("shoal.launch.train_entry", train_from_config)
 
 
 if __name__ == "__main__":

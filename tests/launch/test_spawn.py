@@ -47,7 +47,7 @@ def test_every_call_gets_the_callers_environment_as_it_is_then(tmp_path, monkeyp
 CALLERS = """
 import multiprocessing, os
 import shoal
-from tests.runtime.test_spawn import MARK, _seen
+from tests.launch.test_spawn import MARK, _seen
 launched = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
 os.environ[MARK] = "old"

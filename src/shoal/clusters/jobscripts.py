@@ -1,7 +1,7 @@
 """Job files for cluster schedulers: an sbatch script, Kubernetes manifests.
 
 Pure text builders: `shoal slurm` and `shoal k8s` print what these return. Each job runs one
-`shoal train` per node, which reads the scheduler's variables (shoal.launch.cluster) and
+`shoal train` per node, which reads the scheduler's variables (shoal.clusters.detect) and
 starts the node's workers.
 """
 

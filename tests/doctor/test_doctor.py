@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from shoal.errors import UsageError
-from shoal.launch.doctor import DoctorConfig
-from shoal.launch.doctor_report import (
+from shoal.doctor.checks import DoctorConfig
+from shoal.doctor.report import (
     NodeReport,
     Result,
     compare_versions,
@@ -19,6 +18,7 @@ from shoal.launch.doctor_report import (
     table,
     verdict_lines,
 )
+from shoal.errors import UsageError
 from shoal.launch.ports import free_port
 from tests.helpers import REPO, run_shoal
 

@@ -1,6 +1,6 @@
 """Worker entry of an ``rl:`` run config (`shoal train` and `shoal rl`).
 
-Run by the launcher as ``python -m shoal.rl.entry --config RUN_DIR/config.yaml`` (node 0),
+Run by the launcher as ``python -m shoal.launch.rl_entry --config RUN_DIR/config.yaml`` (node 0),
 or ``--config RUN.yaml key.sub=value ...`` (the other nodes).
 """
 
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from shoal.config.schema import RLRunConfig
-from shoal.training.entry import worker_main
+from shoal.launch.train_entry import worker_main
 
 
 def train_from_config(config: RLRunConfig) -> dict[str, float]:
@@ -30,7 +30,7 @@ def train_from_config(config: RLRunConfig) -> dict[str, float]:
 
 
 def main() -> None:
-    worker_main("shoal.rl.entry", train_from_config)
+    worker_main("shoal.launch.rl_entry", train_from_config)
 
 
 if __name__ == "__main__":

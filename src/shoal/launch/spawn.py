@@ -43,7 +43,7 @@ class WorkerFailedError(RuntimeError):
         super().__init__(f"rank {rank} failed ({cause}){detail}")
 
 
-PRELOAD = ["torch", "torch._dynamo", "shoal.runtime.spawn"]
+PRELOAD = ["torch", "torch._dynamo", "shoal.launch.spawn"]
 # What torch.distributed.elastic sets for each worker it starts from a function.
 ELASTIC_KEYS = frozenset({
     "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",

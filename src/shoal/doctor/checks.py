@@ -21,8 +21,7 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from shoal.errors import UsageError
-from shoal.launch.doctor_report import (
+from shoal.doctor.report import (
     VERSION_KEYS,
     NodeReport,
     Result,
@@ -31,6 +30,7 @@ from shoal.launch.doctor_report import (
     verdict_lines,
     who,
 )
+from shoal.errors import UsageError
 from shoal.launch.network import resolve, route_to
 
 _PREFIX = "shoal-doctor/"
