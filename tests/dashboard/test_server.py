@@ -88,8 +88,14 @@ def test_only_files_under_a_run_directory_are_served(serve, two_runs):
 
 def test_a_token_guards_every_runs_data(serve, two_runs):
     base = serve(list(two_runs), token="s3cret")
-    # The page and its scripts are the package's own files, with no run data in them.
-    assert _get(base + "/")[0] == _get(base + "/static/dashboard.js")[0] == 200
+    # The page's scripts are the package's own files, with no run data in them.
+    assert _get(base + "/static/dashboard.js")[0] == 200
+    # The page itself says that it needs its token, and where to find it.
+    for path in ("/", "/?token=wrong"):
+        status, body = _get(base + path)
+        assert status == 401 and b"needs its token" in body and b"?token=" in body, path
+        assert b"shoal dashboard</code>" in body and b"s3cret" not in body
+    assert _get(base + "/?token=s3cret")[0] == 200
     for path in ("/api/snapshot", "/api/events", "/api/runs/0/files/config.yaml"):
         status, body = _get(base + path)
         assert status == 401 and b"a valid token is needed" in body, path
