@@ -84,6 +84,23 @@ def test_only_files_under_a_run_directory_are_served(serve, two_runs):
         assert _raw(base, path) == 404, path
     (two_runs[0] / "link").symlink_to(two_runs[0].parent / "secret.txt")
     assert _raw(base, "/api/runs/0/files/link") == 404
+    # Paths that are no file name at all: a NUL byte, a name too long, a directory.
+    for path in ("/api/runs/0/files/x%00", "/api/runs/0/files/config.yaml%00.png",
+                 "/api/runs/0/files/%00", "/api/runs/0/files/" + "a" * 5000,
+                 "/api/runs/0/files/" + "a/" * 3000, "/api/runs/0/files/.",
+                 "/api/runs/0/files/%ff%fe", "/static/x%00"):
+        assert _raw(base, path) == 404, path[:60]
+
+
+def test_a_runs_files_are_shown_as_text(serve, two_runs):
+    (two_runs[0] / "page.html").write_text("<script>alert(1)</script>")
+    (two_runs[0] / "summary.json").write_text("{}")
+    base = serve(list(two_runs))
+    for name, kind in (("page.html", "text/plain"), ("summary.json", "application/json"),
+                       ("config.yaml", "text/plain")):
+        with urllib.request.urlopen(f"{base}/api/runs/0/files/{name}", timeout=10) as r:
+            assert r.headers["content-type"].split(";")[0] == kind, name
+            assert r.headers["content-security-policy"] == "sandbox"
 
 
 def test_a_token_guards_every_runs_data(serve, two_runs):

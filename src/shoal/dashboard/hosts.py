@@ -40,17 +40,21 @@ class HostRule:
 
     def allows(self, host: str | None) -> bool:
         """Whether a request whose ``Host`` header is ``host`` is answered."""
-        return self.any_host or host is None or _name(host) in self.names
+        return self.any_host or host is None or _name(host) in self.names - {""}
 
 
 def _name(host: str) -> str:
-    """``Host``'s name without its port or brackets, lower case: '[::1]:80' -> '::1'."""
-    host = host.strip().lower().rstrip(".")
-    if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
-    if host.count(":") == 1:  # name:port (an IPv6 address has more colons, and brackets)
-        host = host.split(":")[0]
-    return host.rstrip(".")
+    """``Host``'s name without its port or brackets, lower case: '[::1]:80' -> '::1'; ''
+    for what is no name and port."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [IPv6] or [IPv6]:port, nothing else
+        end = host.find("]")
+        rest = host[end + 1:]
+        if end < 0 or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
+            return ""
+        return host[1:end]
+    name, port = (host.split(":") if host.count(":") == 1 else (host, ""))
+    return "" if port and not port.isdigit() else name.rstrip(".")
 
 
 def _own_names(bound: str) -> set[str]:
