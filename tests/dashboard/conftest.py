@@ -21,7 +21,8 @@ def serve():
     def start(directories, token=None, said=None, hosts=None, **settings):
         app = create_app(directories, token=token, interval=0.2,
                          settings=AlertSettings(**settings),
-                         say=said.append if said is not None else None, hosts=hosts)
+                         say=said.append if said is not None else None,
+                         **({"hosts": hosts} if hosts is not None else {}))
         server = Server(app, "127.0.0.1", 0).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.port}"
