@@ -89,9 +89,10 @@ def _path(rng: random.Random) -> str:
     piece = rng.choice(["config.yaml", "metrics.jsonl", "x%00", "%00", "..", "%2e%2e",
                         "%2f", "//", "a" * rng.randint(1, 5000), "%ff", "\u00e9", ".",
                         "~", "%", "?", "#", "link", _text(rng, 8)])
+    files = "/api/runs/0/files/"
     path = rng.choice(["/", "/static/dashboard.js", f"/static/{piece}", "/api/snapshot",
                        "/api/events", f"/api/runs/{rng.choice([0, 1, -1, 2 ** 70])}/files/"
-                       f"{piece}", f"/{piece}", f"/api/runs/0/files/{piece}", "/api/runs/0/files/" + "/".join(
+                       f"{piece}", f"/{piece}", files + piece, files + "/".join(
                            rng.choice(["..", "a", "%00", "config.yaml"]) for _ in range(4))]
                       + ["*", piece] * (rng.random() < 0.05))
     if rng.random() < 0.7:

@@ -44,7 +44,8 @@ PAGE_FILES = ("index.html", "dashboard.js", "dashboard.css", "uPlot.iife.min.js"
               "uPlot.min.css", "uPlot.LICENSE")
 KEEPALIVE_S = 15.0
 SHOWN_AS_IS = ("application/json", "image/png", "image/jpeg")  # a run's other files: text
-NEEDS_TOKEN = """<!doctype html><meta charset="utf-8"><title>shoal dashboard: token needed</title>
+NEEDS_TOKEN = """<!doctype html><meta charset="utf-8"><link rel="icon" href="data:,">
+<title>shoal dashboard: token needed</title>
 <h1>This dashboard needs its token</h1>
 <p>Open the address that <code>shoal dashboard</code> (or <code>shoal train --dashboard</code>)
 printed when it started: it ends in <code>?token=...</code>. The token is also the first line
