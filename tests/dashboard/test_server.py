@@ -221,3 +221,18 @@ def test_a_taken_port_is_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.startswith(f"shoal dashboard: error: --port {port} on 127.0.0.1 is "
                                  "already in use") and out.stderr.count("\n") == 1
+
+
+def test_a_page_that_falls_behind_starts_anew():
+    # A page that does not read its stream: its changes are not kept without end.
+    import asyncio
+
+    from shoal.dashboard.server import MAX_BEHIND, _hand
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for k in range(MAX_BEHIND * 3):
+        _hand(queue, [{"run": 0, "points": [{"step": k}]}])
+    assert queue.qsize() <= MAX_BEHIND
+    waiting = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert "snapshot" in waiting  # what was dropped is sent whole, at its place
+    assert waiting[-1] == [{"run": 0, "points": [{"step": MAX_BEHIND * 3 - 1}]}]

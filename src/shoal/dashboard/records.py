@@ -15,6 +15,8 @@ import json
 import math
 from collections.abc import Callable
 
+NONE = type(None)
+
 
 def _not_finite(text: str):
     raise ValueError(f"{text} is not a number the page can show")
@@ -22,81 +24,83 @@ def _not_finite(text: str):
 
 def _finite(text: str) -> float:
     value = float(text)
-    if not math.isfinite(value):  # 1e999: read as inf
+    if not math.isfinite(value):
         _not_finite(text)
     return value
 
 
-_decoder = json.JSONDecoder(parse_float=_finite, parse_constant=_not_finite)
+# NaN and Infinity are refused as they are read, and so is a literal too large for a float
+# (1e999 would be read as inf). Checking each float as it is read costs less than looking
+# for such literals in the line first (a search through every line's bytes).
+_decoder = json.JSONDecoder(parse_constant=_not_finite, parse_float=_finite)
 
-
-def _int(value) -> bool:
-    return type(value) is int  # bool is an int too, and not a step
-
-
-def _number(value) -> bool:
-    return type(value) is float or type(value) is int
-
-
-def _maybe(check: Callable) -> Callable:
-    return lambda value: value is None or check(value)
+# A field's rule: the types its value may have (checked without a call), or a function.
+Rule = frozenset | Callable
+INT, NUMBER, TEXT = frozenset({int}), frozenset({int, float, NONE}), frozenset({str})
+MAYBE_INT = frozenset({int, NONE})  # a bool is not an int here: type() is checked
 
 
 def _numbers(value) -> bool:
-    return isinstance(value, list) and all(v is None or _number(v) for v in value)
+    return value is None or (type(value) is list and all(type(v) in NUMBER for v in value))
 
 
 def _number_map(value) -> bool:
-    return isinstance(value, dict) and all(v is None or _number(v) for v in value.values())
-
-
-def _text(value) -> bool:
-    return isinstance(value, str)
+    return value is None or (type(value) is dict
+                             and all(type(v) in NUMBER for v in value.values()))
 
 
 def _steps(value) -> bool:
-    return isinstance(value, list) and len(value) == 2 and all(map(_int, value))
+    return type(value) is list and len(value) == 2 and all(type(v) is int for v in value)
 
 
-NUMBER, INT = _maybe(_number), _maybe(_int)
+def _fits(record: dict, fields: dict[str, Rule], required: tuple[str, ...] = ()) -> bool:
+    for name in required:
+        if name not in record:
+            return False
+    for name, value in record.items():
+        rule = fields.get(name)
+        if rule is None:
+            continue
+        if type(rule) is frozenset:
+            if type(value) not in rule:
+                return False
+        elif not rule(value):
+            return False
+    return True
 
-_ROW = {"rank": _int, "data": NUMBER, "compute": NUMBER, "comm": NUMBER, "optimizer": NUMBER,
-        "other": NUMBER, "step": NUMBER, "cpu_percent": NUMBER, "rss_bytes": NUMBER,
-        "gpu_util_percent": NUMBER, "gpu_memory_bytes": NUMBER}
-_STRAGGLER = {"rank": _int, "phase": _text, "busy_s": NUMBER, "median_busy_s": NUMBER,
+
+_ROW = {"rank": INT, **dict.fromkeys(("data", "compute", "comm", "optimizer", "other", "step",
+                                      "cpu_percent", "rss_bytes", "gpu_util_percent",
+                                      "gpu_memory_bytes"), NUMBER)}
+_STRAGGLER = {"rank": INT, "phase": TEXT, "busy_s": NUMBER, "median_busy_s": NUMBER,
               "phase_excess_s": NUMBER, "spread_s": NUMBER}
 
 
-def _fits(record: dict, fields: dict[str, Callable], required: tuple[str, ...] = ()) -> bool:
-    return (all(name in record for name in required)
-            and all(check(record[name]) for name, check in fields.items() if name in record))
-
-
 def _rows(value) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(row, dict) and _fits(row, _ROW, ("rank",)) for row in value)
+    return type(value) is list and all(
+        type(row) is dict and _fits(row, _ROW, ("rank",)) for row in value)
 
 
 def _straggler(value) -> bool:
-    return value is None or (isinstance(value, dict) and _fits(value, _STRAGGLER, ("rank",)))
+    return value is None or (type(value) is dict and _fits(value, _STRAGGLER, ("rank",)))
 
 
 # Per type: the fields that are read, and which of them must be there. Steps and
 # validations are placed on the curves by their step; a window by its first and last.
-SCHEMAS: dict[str, tuple[dict[str, Callable], tuple[str, ...]]] = {
-    "step": ({"step": _int, "epoch": INT, "time": NUMBER, "loss": NUMBER, "lr": NUMBER,
-              "grad_norm": NUMBER, "step_time_s": NUMBER, "samples_per_s": NUMBER,
-              "tokens_per_s": NUMBER, "mfu": NUMBER, "comm_bytes": NUMBER,
-              "episode_return": NUMBER, "phases_s": _maybe(_number_map),
-              "rank_step_s": _maybe(_numbers), "rank_comm_s": _maybe(_numbers)}, ("step",)),
+SCHEMAS: dict[str, tuple[dict[str, Rule], tuple[str, ...]]] = {
+    "step": ({"step": INT, "epoch": MAYBE_INT, "phases_s": _number_map,
+              "rank_step_s": _numbers, "rank_comm_s": _numbers,
+              **dict.fromkeys(("time", "loss", "lr", "grad_norm", "step_time_s",
+                               "samples_per_s", "tokens_per_s", "mfu", "comm_bytes",
+                               "episode_return"), NUMBER)}, ("step",)),
     "ranks": ({"steps": _steps, "time": NUMBER, "ranks": _rows, "straggler": _straggler},
               ("steps", "ranks")),
-    "validation": ({"step": _int, "time": NUMBER, "val_loss": NUMBER,
-                    "eval_return": NUMBER}, ("step",)),
-    "event": ({"step": _int, "time": NUMBER, "kind": _text, "restart": INT,
-               "world_size": INT, "memory_limit_bytes": NUMBER}, ()),
+    "validation": ({"step": INT, "time": NUMBER, "val_loss": NUMBER, "eval_return": NUMBER},
+                   ("step",)),
+    "event": ({"step": INT, "time": NUMBER, "kind": TEXT, "restart": MAYBE_INT,
+               "world_size": MAYBE_INT, "memory_limit_bytes": NUMBER}, ()),
 }
-_OTHER = ({"step": _int}, ("step",))  # a type the dashboard does not show
+_OTHER = ({"step": INT}, ("step",))  # a type the dashboard does not show
 
 
 def parse(line: bytes) -> dict | None:

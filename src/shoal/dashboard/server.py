@@ -43,6 +43,7 @@ STATIC = Path(__file__).parent / "static"
 PAGE_FILES = ("index.html", "dashboard.js", "dashboard.css", "uPlot.iife.min.js",
               "uPlot.min.css", "uPlot.LICENSE")
 KEEPALIVE_S = 15.0
+MAX_BEHIND = 200  # changes waiting for one page (100 s of polls) before it starts anew
 SHOWN_AS_IS = ("application/json", "image/png", "image/jpeg")  # a run's other files: text
 NEEDS_TOKEN = """<!doctype html><meta charset="utf-8"><link rel="icon" href="data:,">
 <title>shoal dashboard: token needed</title>
@@ -99,7 +100,10 @@ class Hub:
         key = f"{where}: {type(exc).__name__}"
         if key not in self.failures:
             self.failures.add(key)
-            self.say(f"{key} while reading: {exc} (said once; polling goes on)")
+            # What a line holds may reach the message: no control character reaches the
+            # terminal.
+            self.say(f"{key} while reading: {ascii(str(exc)[:200])[1:-1]} (said once; "
+                     "polling goes on)")
 
     def close(self) -> None:
         """Tell every open page that the server stops (from any thread): its stream ends
@@ -117,10 +121,21 @@ class Hub:
             try:
                 changes = self.poll()
                 for queue in self.listeners if changes else ():
-                    queue.put_nowait(changes)
+                    _hand(queue, changes)
             except Exception as exc:  # noqa: BLE001 - the poller is the pages' only source
                 self._failed("the runs", exc)
             await asyncio.sleep(interval)
+
+
+def _hand(queue: asyncio.Queue, changes: list[dict]) -> None:
+    """Give a page its changes; a page that fell far behind (it does not read its stream)
+    gets everything anew instead of a queue that grows without end."""
+    if queue.qsize() >= MAX_BEHIND:
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait("snapshot")
+    else:
+        queue.put_nowait(changes)
 
 
 def _to_terminal(message: str) -> None:
@@ -194,6 +209,9 @@ def create_app(directories: list[str | Path], token: str | None = None,
                     if changes is None:  # the server stops
                         yield _event("closed", {})
                         return
+                    if changes == "snapshot":  # fell behind: start again from all there is
+                        yield _event("snapshot", hub.snapshot())
+                        continue
                     yield _event("changes", changes)
             finally:
                 hub.listeners.discard(queue)
