@@ -61,7 +61,7 @@ def test_names_allowed_by_hand_and_any_host():
     assert rule.allows("dash.example.org:443") and not rule.allows("evil.example")
     assert all(HostRule("127.0.0.1", any_host=True).allows(host) for host in FOREIGN)
     for bad in ("http://dash.example", "a/b", "", "x y"):
-        with pytest.raises(ValueError, match="--allow-host"):
+        with pytest.raises(ValueError, match="is no host name or address"):
             HostRule("127.0.0.1", allowed=(bad,))
 
 
@@ -116,5 +116,5 @@ def test_the_cli_flags(run):
                           "--allow-host", "http://x/"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2
-    assert out.stderr == ("shoal dashboard: error: --allow-host 'http://x/': give a host "
-                          "name or address, without a scheme or path\n")
+    assert out.stderr == ("shoal dashboard: error: --allow-host: 'http://x/' is no host name "
+                          "or address (give one without a scheme or path)\n")

@@ -86,11 +86,12 @@ def open_server(args: argparse.Namespace, directories: list[str], **settings):
 
     token = _token(args)
     host = args.dashboard_host
+    prefix = "--" if args.command == "dashboard" else "--dashboard-"
     try:
         hosts = HostRule(host, tuple(args.dashboard_allow_hosts), args.dashboard_any_host)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    flag = "--port" if args.command == "dashboard" else "--dashboard-port"
+        raise UsageError(f"{prefix}allow-host: {exc}") from None
+    flag = f"{prefix}port"
     check_port_free(host, args.dashboard_port, flag, f"give {flag} 0 to pick a free one")
     if not is_loopback(host):
         print(f"shoal dashboard: warning: listening on {host}, reachable from other "

@@ -29,12 +29,13 @@ class HostRule:
     any_host: bool = False
     """Answer every ``Host`` (``--allow-any-host``: a proxy checks it instead)."""
     names: frozenset[str] = field(init=False, repr=False)
+    """Every name answered (worked out once, from the fields above)."""
 
     def __post_init__(self):
         for name in self.allowed:
             if not _name(name) or any(c in name for c in "/@ \t\\"):
-                raise ValueError(f"--allow-host {name!r}: give a host name or address, "
-                                 "without a scheme or path")
+                raise ValueError(f"{name!r} is no host name or address (give one without a "
+                                 "scheme or path)")
         object.__setattr__(self, "names", frozenset(
             {_name(self.bound), *map(_name, self.allowed), *_own_names(self.bound)}))
 
