@@ -54,7 +54,8 @@ def _record(rng: random.Random, step: int) -> dict:
               "validation": {"type": "validation", "step": step, "val_loss": 0.5},
               "other": {"type": _text(rng, 6), "step": step}}[kind]
     for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
-        fields = list(SCHEMAS.get(record.get("type"), ({"step": None},))[0]) + [_text(rng, 4)]
+        schema = SCHEMAS.get(record.get("type"))
+        fields = [*(schema.names if schema else ["step"]), _text(rng, 4)]
         target = record
         rows = record.get("ranks")
         if isinstance(rows, list) and rows and isinstance(rows[0], dict) and \
