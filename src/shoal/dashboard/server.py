@@ -197,9 +197,19 @@ def create_app(directories: list[str | Path], token: str | None = None,
         queue: asyncio.Queue = asyncio.Queue()
         hub.listeners.add(queue)
 
+        def everything() -> str:
+            """All there is now; the changes waiting in the queue are in it already (the
+            poller runs on this loop: nothing changes between the two)."""
+            closing = False
+            while not queue.empty():
+                closing |= queue.get_nowait() is None
+            if closing:
+                queue.put_nowait(None)
+            return _event("snapshot", hub.snapshot())
+
         async def stream():
             try:
-                yield _event("snapshot", hub.snapshot())
+                yield everything()
                 while True:
                     try:
                         changes = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
@@ -210,7 +220,7 @@ def create_app(directories: list[str | Path], token: str | None = None,
                         yield _event("closed", {})
                         return
                     if changes == "snapshot":  # fell behind: start again from all there is
-                        yield _event("snapshot", hub.snapshot())
+                        yield everything()
                         continue
                     yield _event("changes", changes)
             finally:
