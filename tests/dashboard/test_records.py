@@ -149,3 +149,15 @@ def test_a_dashboard_started_on_such_a_run_serves_it(tmp_path):
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert "Traceback" not in err
+
+
+def test_a_line_too_long_to_be_a_record_is_a_bad_line(tmp_path, monkeypatch):
+    from shoal.dashboard import tail
+
+    monkeypatch.setattr(tail, "MAX_LINE", 1 << 16)
+    lines = [event_line("start", 0), step_line(1), '{"type": "step", "x": "' + "x" * 200_000,
+             step_line(2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run = RunWatch(tmp_path, 0)
+    run.poll()
+    assert run.bad_lines == 1 and [p["step"] for p in run.points] == [1, 2]

@@ -60,8 +60,10 @@ class RunWatch:
         """Read what was appended; returns the new records (None: nothing new)."""
         new: dict = {"points": [], "windows": [], "validation": [], "events": []}
         before = (self.stride, self.window_stride)
+        skipped = self.tail.skipped
         for block in self.tail.blocks():
             self._take_block(block, new)
+        self.bad_lines += self.tail.skipped - skipped  # lines too long to be records
         if self.tail.replaced:  # the file was started anew: so is everything known of it
             self.tail.replaced = False
             name = self.name
