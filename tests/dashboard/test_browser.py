@@ -202,3 +202,19 @@ def test_heatmaps_name_their_ranks_steps_and_scale(serve, browser, tmp_path):
     assert ink["ranks"] > 50 and ink["steps"] > 50 and ink["scale"] > 50, ink
     assert ink["top"] < ink["bottom"], ink
     assert _errors(browser) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_run_of_random_lines_is_drawn_without_an_error(serve, browser, tmp_path):
+    import random
+
+    from tests.dashboard.hostile import random_line
+
+    rng = random.Random(7)
+    lines = [event_line("start", 0).encode()] + [random_line(rng, step) for step in range(1, 400)]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines + [step_line(400).encode()])
+                                             + b"\n")
+    base = serve([tmp_path])
+    browser.get(base + "/")
+    _wait(browser, "return document.body.dataset.lastStep === '400'")
+    assert _errors(browser) == []

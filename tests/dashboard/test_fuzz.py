@@ -13,83 +13,25 @@ import string
 import time
 from typing import Any
 
-from shoal.dashboard.records import SCHEMAS
 from tests.dashboard.conftest import EventStream
-from tests.dashboard.synthetic import event_line, step_line, window_line
+from tests.dashboard.hostile import random_line, text
+from tests.dashboard.synthetic import event_line, step_line
 
 SEED, CASES, BUDGET_S = 29, 300, 15.0
 TOKEN = "fuzz-t0ken"
 PAGE_NUMBERS = ("loss", "samples_per_s", "comm_bytes", "tokens_per_s", "mfu", "episode_return")
 
 
-def _text(rng: random.Random, most: int = 12, alphabet: str = string.printable) -> str:
-    return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, most)))
-
-
 def _header_text(rng: random.Random, most: int = 30) -> str:
     """Mostly what a header's value may hold; now and then what it may not."""
-    return _text(rng, most, string.printable if rng.random() < 0.1 else
+    return text(rng, most, string.printable if rng.random() < 0.1 else
                  string.ascii_letters + string.digits + string.punctuation + " " + "\u00e9")
-
-
-def _value(rng: random.Random, depth: int = 0) -> Any:
-    pick = rng.randrange(11 if depth < 2 else 9)
-    return [lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-2 ** 70, 2 ** 70),
-            lambda: rng.uniform(-1e9, 1e9), lambda: _text(rng), lambda: float("nan"),
-            lambda: rng.choice([float("inf"), -1, 0, 2 ** 63, "\ud800", ""]),
-            lambda: rng.choice([[0.1, 0.2], [1, 2], {"data": 0.1}]),
-            lambda: rng.randint(0, 100),
-            lambda: [_value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
-            lambda: {_text(rng, 5): _value(rng, depth + 1) for _ in range(rng.randint(0, 3))},
-            ][pick]()
-
-
-def _record(rng: random.Random, step: int) -> dict:
-    """A record as shoal writes one, of any kind, with random values in its fields."""
-    kind = rng.choice(["step"] * 4 + ["ranks", "event", "validation", "other"])
-    record = {"step": json.loads(step_line(step, world=rng.randint(1, 4))),
-              "ranks": json.loads(window_line(max(step - 9, 0), step, slow_rank=rng.choice(
-                  [None, 0, 1]), world=2)),
-              "event": json.loads(event_line(rng.choice(["start", "resume", "end"]), step)),
-              "validation": {"type": "validation", "step": step, "val_loss": 0.5},
-              "other": {"type": _text(rng, 6), "step": step}}[kind]
-    for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
-        schema = SCHEMAS.get(record.get("type"))
-        fields = [*(schema.names if schema else ["step"]), _text(rng, 4)]
-        target = record
-        rows = record.get("ranks")
-        if isinstance(rows, list) and rows and isinstance(rows[0], dict) and \
-                rng.random() < 0.5:  # inside a rank's row
-            target = rows[0]
-            fields = list(target) + [_text(rng, 4)]
-        name = rng.choice(fields)
-        if rng.random() < 0.15:
-            target.pop(name, None)
-        else:
-            target[name] = _value(rng)
-    return record
-
-
-def _line(rng: random.Random, step: int) -> bytes:
-    line = json.dumps(_record(rng, step), ensure_ascii=rng.random() < 0.8).encode(
-        "utf-8", "surrogatepass")
-    r = rng.random()
-    if r < 0.05:  # cut short (the writer died mid-line)
-        line = line[:rng.randrange(len(line))]
-    elif r < 0.1:  # a byte garbled
-        k = rng.randrange(len(line))
-        line = line[:k] + bytes([rng.randrange(256)]) + line[k + 1:]
-    elif r < 0.12:
-        line = bytes(rng.randrange(256) for _ in range(rng.randint(0, 40)))
-    elif r < 0.13:
-        line = b"[" * rng.randint(1, 50_000)
-    return line.replace(b"\n", b" ")
 
 
 def _path(rng: random.Random) -> str:
     piece = rng.choice(["config.yaml", "metrics.jsonl", "x%00", "%00", "..", "%2e%2e",
                         "%2f", "//", "a" * rng.randint(1, 5000), "%ff", "\u00e9", ".",
-                        "~", "%", "?", "#", "link", _text(rng, 8)])
+                        "~", "%", "?", "#", "link", text(rng, 8)])
     files = "/api/runs/0/files/"
     path = rng.choice(["/", "/static/dashboard.js", f"/static/{piece}", "/api/snapshot",
                        "/api/events", f"/api/runs/{rng.choice([0, 1, -1, 2 ** 70])}/files/"
@@ -97,13 +39,13 @@ def _path(rng: random.Random) -> str:
                            rng.choice(["..", "a", "%00", "config.yaml"]) for _ in range(4))]
                       + ["*", piece] * (rng.random() < 0.05))
     if rng.random() < 0.7:
-        path += "?token=" + rng.choice([TOKEN] * 5 + ["", "wrong", "%ff", "%00", _text(rng)])
+        path += "?token=" + rng.choice([TOKEN] * 5 + ["", "wrong", "%ff", "%00", text(rng)])
     return "".join(c if " " < c < "\x7f" else f"%{ord(c) & 0xff:02x}" for c in path)
 
 
 def _request(rng: random.Random, port: int) -> bytes:
     method = rng.choice(["GET"] * 24 + ["HEAD", "POST", "PUT", "DELETE", "OPTIONS", "TRACE",
-                                       "G\x00T", _text(rng, 6).replace(" ", "")])
+                                       "G\x00T", text(rng, 6).replace(" ", "")])
     hosts = [f"127.0.0.1:{port}", "localhost", f"[::1]:{port}"] * 4 + [
         "evil.example:8000", "", "127.0.0.1.evil.example", "[::1", "localhost:x",
         _header_text(rng, 20)]
@@ -119,7 +61,7 @@ def _request(rng: random.Random, port: int) -> bytes:
             ("If-None-Match", _header_text(rng)), ("If-Range", _header_text(rng)),
             ("Accept-Encoding", rng.choice(["gzip", "br", "*", _header_text(rng)])),
             ("Cookie", _header_text(rng)), ("Last-Event-ID", _header_text(rng)),
-            (_text(rng, 10) or "X", _text(rng, 40)) if rng.random() < 0.2 else
+            (text(rng, 10) or "X", text(rng, 40)) if rng.random() < 0.2 else
             ("X-Text", _header_text(rng)),
             ("X-Bytes", bytes(rng.randrange(128, 256) for _ in range(8)).decode("latin-1")),
         ]))
@@ -188,7 +130,7 @@ def test_random_lines_and_requests_against_a_live_dashboard(serve, tmp_path):
             with open(path, "ab") as f:
                 for _ in range(rng.randint(1, 5)):
                     step += 1
-                    f.write(_line(rng, step) + b"\n")
+                    f.write(random_line(rng, step) + b"\n")
         else:
             request = _request(rng, port)
             status = _status(port, request)
