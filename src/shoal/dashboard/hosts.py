@@ -46,7 +46,7 @@ class HostRule:
 
 def _name(host: str) -> str:
     """``Host``'s name without its port or brackets, lower case: '[::1]:80' -> '::1'; ''
-    for what is no name and port."""
+    for a value that is not a name with an optional numeric port."""
     host = host.strip().lower()
     if host.startswith("["):  # [IPv6] or [IPv6]:port, nothing else
         end = host.find("]")
