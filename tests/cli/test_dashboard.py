@@ -1,5 +1,6 @@
-"""`shoal train --dashboard`: node 0 serves the run's dashboard while it trains, and the
-run's metrics.jsonl holds what the page draws (starts, validations, per-rank step times)."""
+"""`shoal train --dashboard`: node 0 serves the run's dashboard while it trains, tells an
+open page when it stops, and the run's metrics.jsonl holds what the page draws (starts,
+validations, per-rank step times, the end)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 import urllib.request
 
+from tests.dashboard.conftest import EventStream
 from tests.helpers import REPO
 
 
@@ -33,6 +35,7 @@ def test_train_serves_its_dashboard_while_it_runs(tmp_path):
                         if "the run's dashboard is at" in line), None)
             time.sleep(0.1)
         assert url and url.startswith("http://127.0.0.1:"), lines
+        page = EventStream(url.rstrip("/"))  # a page open until the job is over
         points = 0
         while points == 0 and proc.poll() is None:  # served while the job trains
             snapshot = json.loads(urllib.request.urlopen(url + "api/snapshot",
@@ -41,6 +44,15 @@ def test_train_serves_its_dashboard_while_it_runs(tmp_path):
             time.sleep(0.2)
         assert points > 0 and snapshot["runs"][0]["name"] == "digits"
         assert proc.wait(timeout=150) == 0, "".join(lines[-40:])
+        # The page was told: the run's end, then that the server stopped.
+        seen = []
+        while not seen or seen[-1][0] != "closed":
+            seen.append(page.next(timeout=10))
+        page.close()
+        changes = [c for name, data in seen for c in
+                   (data["runs"] if name == "snapshot" else data if name == "changes" else [])]
+        kinds = [e["kind"] for change in changes for e in change.get("events", [])]
+        assert kinds[-1] == "end", kinds
     finally:
         proc.kill()
         reader.join(timeout=10)

@@ -121,3 +121,100 @@ def test_runs_overlaid_and_an_alert_shown(serve, browser, tmp_path):
     assert "first: the loss is not finite at step 121" in alerts
     assert "second: the loss is not finite at step 81" in alerts
     assert _errors(browser) == []
+
+
+T0 = 1_700_000_000.0  # the records' own times: the page shows the newest one
+
+
+def _timed_run(directory, steps: int, world: int = 2) -> None:
+    lines = [event_line("start", 0, now=T0)]
+    for step in range(1, steps + 1):
+        lines.append(step_line(step, world=world, slow_rank=1, now=T0 + step))
+        if step % 10 == 0:
+            lines.append(window_line(step - 9, step, world=world, slow_rank=1, now=T0 + step))
+    (directory / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _status(driver) -> str:
+    return driver.execute_script("return document.getElementById('status').textContent")
+
+
+@pytest.mark.timeout(120)
+def test_the_page_says_when_its_data_is_from_and_that_the_run_ended(serve, browser, tmp_path):
+    _timed_run(tmp_path, 40)
+    base = serve([tmp_path], token="t0k")
+    browser.get(base + "/")  # without its token: the page says what is missing
+    text = browser.find_element("tag name", "body").text
+    assert "This dashboard needs its token" in text and "?token=" in text
+    browser.get(base + "/?token=t0k")
+    assert _wait(browser, "return document.body.dataset.updated") == str(int(T0 + 40))
+    shown = browser.execute_script(f"return new Date({1000 * (T0 + 40)}).toLocaleTimeString()")
+    assert _status(browser).endswith(f": step 40 · updated {shown}")
+    assert [e for e in _errors(browser) if "status of 401" not in e["message"]] == []
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(event_line("end", 40, now=T0 + 45) + "\n")
+    _wait(browser, "return document.body.dataset.ended === 'true'")
+    shown = browser.execute_script(f"return new Date({1000 * (T0 + 45)}).toLocaleTimeString()")
+    assert _status(browser).endswith(f": step 40 · ended · updated {shown}")
+    serve.servers[-1].stop()  # as `shoal train --dashboard` does when the job is over
+    _wait(browser, "return document.body.dataset.link === 'stopped'")
+    time.sleep(4)  # past EventSource's retry: the page does not try again
+    assert "server stopped at" in _status(browser) and "reconnecting" not in _status(browser)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_lost_before_the_end_is_retried(serve, browser, tmp_path):
+    _timed_run(tmp_path, 20)
+    base = serve([tmp_path])
+    browser.get(base + "/")
+    _wait(browser, "return document.body.dataset.link === 'live'")
+    server = serve.servers[-1]
+    server.server.should_exit = True  # gone without a word (killed, or the network)
+    server.thread.join(10)
+    _wait(browser, "return document.body.dataset.link === 'lost'")
+    assert "connection lost at" in _status(browser) and "reconnecting" in _status(browser)
+    assert "ended" not in _status(browser)
+
+
+@pytest.mark.timeout(120)
+def test_heatmaps_name_their_ranks_steps_and_scale(serve, browser, tmp_path):
+    _timed_run(tmp_path, 300, world=4)
+    base = serve([tmp_path])
+    browser.get(base + "/")
+    _wait(browser, "return document.getElementById('heat-comm').dataset.ranks")
+    for id_ in ("heat-step", "heat-comm"):
+        data = browser.execute_script(f"return document.getElementById('{id_}').dataset")
+        assert data["ranks"] == "0,1,2,3", data
+        steps = [int(s) for s in data["steps"].split(",")]
+        assert len(steps) >= 3 and steps == sorted(steps) and steps[0] == 1, steps
+        assert steps[-1] == 300
+        lo, hi = map(float, data["scale"].split(","))
+        assert 0 <= lo < hi or (id_ == "heat-step" and lo == hi)  # every rank's step: equal
+    # Ink where the labels are, and a colour bar that runs from light (bottom) to dark.
+    ink = browser.execute_script("""
+        const c = document.getElementById('heat-comm'), ctx = c.getContext('2d');
+        const dark = (x, y, w, h) => Array.from(ctx.getImageData(x, y, w, h).data)
+          .filter((v, i) => i % 4 === 3 && v > 0).length;
+        const bar = (y) => ctx.getImageData(c.width - 76 + 14, y, 1, 1).data[0];
+        return {ranks: dark(0, 0, 48, c.height - 20), steps: dark(52, c.height - 20,
+          c.width - 128, 20), scale: dark(c.width - 60, 0, 60, c.height),
+          top: bar(1), bottom: bar(c.height - 22)};""")
+    assert ink["ranks"] > 50 and ink["steps"] > 50 and ink["scale"] > 50, ink
+    assert ink["top"] < ink["bottom"], ink
+    assert _errors(browser) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_run_of_random_lines_is_drawn_without_an_error(serve, browser, tmp_path):
+    import random
+
+    from tests.dashboard.hostile import random_line
+
+    rng = random.Random(7)
+    lines = [event_line("start", 0).encode()] + [random_line(rng, step) for step in range(1, 400)]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines + [step_line(400).encode()])
+                                             + b"\n")
+    base = serve([tmp_path])
+    browser.get(base + "/")
+    _wait(browser, "return document.body.dataset.lastStep === '400'")
+    assert _errors(browser) == []

@@ -84,12 +84,35 @@ def test_only_files_under_a_run_directory_are_served(serve, two_runs):
         assert _raw(base, path) == 404, path
     (two_runs[0] / "link").symlink_to(two_runs[0].parent / "secret.txt")
     assert _raw(base, "/api/runs/0/files/link") == 404
+    # Paths that are no file name at all: a NUL byte, a name too long, a directory.
+    for path in ("/api/runs/0/files/x%00", "/api/runs/0/files/config.yaml%00.png",
+                 "/api/runs/0/files/%00", "/api/runs/0/files/" + "a" * 5000,
+                 "/api/runs/0/files/" + "a/" * 3000, "/api/runs/0/files/.",
+                 "/api/runs/0/files/%ff%fe", "/static/x%00"):
+        assert _raw(base, path) == 404, path[:60]
+
+
+def test_a_runs_files_are_shown_as_text(serve, two_runs):
+    (two_runs[0] / "page.html").write_text("<script>alert(1)</script>")
+    (two_runs[0] / "summary.json").write_text("{}")
+    base = serve(list(two_runs))
+    for name, kind in (("page.html", "text/plain"), ("summary.json", "application/json"),
+                       ("config.yaml", "text/plain")):
+        with urllib.request.urlopen(f"{base}/api/runs/0/files/{name}", timeout=10) as r:
+            assert r.headers["content-type"].split(";")[0] == kind, name
+            assert r.headers["content-security-policy"] == "sandbox"
 
 
 def test_a_token_guards_every_runs_data(serve, two_runs):
     base = serve(list(two_runs), token="s3cret")
-    # The page and its scripts are the package's own files, with no run data in them.
-    assert _get(base + "/")[0] == _get(base + "/static/dashboard.js")[0] == 200
+    # The page's scripts are the package's own files, with no run data in them.
+    assert _get(base + "/static/dashboard.js")[0] == 200
+    # The page itself says that it needs its token, and where to find it.
+    for path in ("/", "/?token=wrong"):
+        status, body = _get(base + path)
+        assert status == 401 and b"needs its token" in body and b"?token=" in body, path
+        assert b"shoal dashboard</code>" in body and b"s3cret" not in body
+    assert _get(base + "/?token=s3cret")[0] == 200
     for path in ("/api/snapshot", "/api/events", "/api/runs/0/files/config.yaml"):
         status, body = _get(base + path)
         assert status == 401 and b"a valid token is needed" in body, path
@@ -198,3 +221,18 @@ def test_a_taken_port_is_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.startswith(f"shoal dashboard: error: --port {port} on 127.0.0.1 is "
                                  "already in use") and out.stderr.count("\n") == 1
+
+
+def test_a_page_that_falls_behind_starts_anew():
+    # A page that does not read its stream: its changes are not kept without end.
+    import asyncio
+
+    from shoal.dashboard.server import MAX_BEHIND, _hand
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for k in range(MAX_BEHIND * 3):
+        _hand(queue, [{"run": 0, "points": [{"step": k}]}])
+    assert queue.qsize() <= MAX_BEHIND
+    waiting = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert "snapshot" in waiting  # what was dropped is sent whole, at its place
+    assert waiting[-1] == [{"run": 0, "points": [{"step": MAX_BEHIND * 3 - 1}]}]

@@ -67,3 +67,19 @@ def test_a_line_longer_than_the_buffer_is_read_whole(tmp_path, monkeypatch):
     with open(path, "ab") as f:
         f.write(b"\n")
     assert list(t.lines()) == [long] and t.offset == path.stat().st_size
+
+
+def test_a_line_too_long_to_be_a_record_is_skipped_not_held(tmp_path, monkeypatch):
+    monkeypatch.setattr(tail, "CHUNK", 64)
+    monkeypatch.setattr(tail, "MAX_LINE", 256)
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"a\n" + b"x" * 300)  # still being written, already too long
+    t = LineTail(path)
+    assert list(t.lines()) == [b"a"] and t.skipped == 1
+    with open(path, "ab") as f:
+        f.write(b"x" * 5000)  # more of it: not read into memory, nor counted again
+    assert list(t.lines()) == [] and t.skipped == 1 and t.offset == path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(b"x" * 10 + b"\nb\n" + b"y" * 100 + b"\nc\n" + b"z" * 1000 + b"\nd\n")
+    assert list(t.lines()) == [b"b", b"y" * 100, b"c", b"d"] and t.skipped == 2
+    assert t.offset == path.stat().st_size

@@ -36,12 +36,22 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, prefix: str) -> None:
-    """--{prefix}host, --{prefix}port and --token-file."""
+    """--{prefix}host, --{prefix}port, --{prefix}allow-host, --{prefix}allow-any-host and
+    --token-file."""
     parser.add_argument(f"--{prefix}host", dest="dashboard_host", default="127.0.0.1",
                         help="address the dashboard listens on (default 127.0.0.1: this "
                         "machine only)")
     parser.add_argument(f"--{prefix}port", dest="dashboard_port", type=int, default=8000,
                         help="the dashboard's port (default 8000; 0: any free port)")
+    parser.add_argument(f"--{prefix}allow-host", dest="dashboard_allow_hosts", action="append",
+                        default=[], metavar="NAME",
+                        help="answer requests that name the server NAME too (a proxy's or an "
+                        "alias's name; repeatable). Others are refused unless they name its "
+                        "address, or localhost on the loopback, or this machine off it")
+    parser.add_argument(f"--{prefix}allow-any-host", dest="dashboard_any_host",
+                        action="store_true",
+                        help="answer whatever Host a request names (behind a proxy that "
+                        "checks it)")
     parser.add_argument("--token-file", dest="dashboard_token_file", default=None,
                         help="a file holding the token every request must carry (default: "
                         f"${TOKEN_VARIABLE}; off the loopback, a random one)")
@@ -69,18 +79,24 @@ def _token(args: argparse.Namespace) -> str | None:
 
 def open_server(args: argparse.Namespace, directories: list[str], **settings):
     """The dashboard of ``directories``, checked and ready to serve, and what to tell."""
+    from shoal.dashboard.hosts import HostRule
     from shoal.dashboard.server import Server, create_app
     from shoal.data.serve import is_loopback
     from shoal.launch.ports import check_port_free
 
     token = _token(args)
     host = args.dashboard_host
-    flag = "--port" if args.command == "dashboard" else "--dashboard-port"
+    prefix = "--" if args.command == "dashboard" else "--dashboard-"
+    try:
+        hosts = HostRule(host, tuple(args.dashboard_allow_hosts), args.dashboard_any_host)
+    except ValueError as exc:
+        raise UsageError(f"{prefix}allow-host: {exc}") from None
+    flag = f"{prefix}port"
     check_port_free(host, args.dashboard_port, flag, f"give {flag} 0 to pick a free one")
     if not is_loopback(host):
         print(f"shoal dashboard: warning: listening on {host}, reachable from other "
               "machines; every request needs the token", file=sys.stderr, flush=True)
-    app = create_app(directories, token=token, **settings)
+    app = create_app(directories, token=token, hosts=hosts, **settings)
     return Server(app, host, args.dashboard_port), token
 
 

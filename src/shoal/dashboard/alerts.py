@@ -48,7 +48,7 @@ def check(run: RunWatch, settings: AlertSettings, now: float | None = None) -> d
         laggard = _oldest_beat(run)
         alerts["silent"] = (f"{name}: no metrics for {quiet:.0f} s{where}" +
                             (f"; {laggard}" if laggard else ""))
-    bad = [p["step"] for p in run.points if p.get("loss") is None]
+    bad = [p["step"] for p in run.points if p.get("loss", 0) is None]  # null: not finite
     if bad:
         alerts[f"nonfinite:{bad[0]}"] = (f"{name}: the loss is not finite at step {bad[0]}" +
                                          (f" (and {len(bad) - 1} later points)"

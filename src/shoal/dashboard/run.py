@@ -14,12 +14,12 @@ the curves go on from the checkpoint, with the restart marked there.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
+from shoal.dashboard import records
 from shoal.dashboard.tail import LineTail
 
 METRICS = "metrics.jsonl"
@@ -48,7 +48,7 @@ class RunWatch:
         self.windows: list[dict] = []  # 'ranks' records: every rank's figures per window
         self.validation: list[dict] = []
         self.events: list[dict] = []
-        self.bad_lines = 0  # lines read that are not records (thinned-out lines are not read)
+        self.bad_lines = 0  # lines read that records.parse refuses (thinned-out ones are not read)
         self.last_growth = time.time()  # when new bytes last arrived
         self.last_step: int | None = None
 
@@ -60,8 +60,10 @@ class RunWatch:
         """Read what was appended; returns the new records (None: nothing new)."""
         new: dict = {"points": [], "windows": [], "validation": [], "events": []}
         before = (self.stride, self.window_stride)
+        skipped = self.tail.skipped
         for block in self.tail.blocks():
             self._take_block(block, new)
+        self.bad_lines += self.tail.skipped - skipped  # lines too long to be records
         if self.tail.replaced:  # the file was started anew: so is everything known of it
             self.tail.replaced = False
             name = self.name
@@ -123,6 +125,9 @@ class RunWatch:
         record = self._parse(line)
         if record is None:
             return
+        if record["type"] != "step":  # '{"type": "step", ..., "type": "ranks"}'
+            self.bad_lines += 1
+            return
         self.last_step = record.get("step", self.last_step)
         off_stride = self.seen_steps % self.stride != 0  # taken for its non-finite loss
         if off_stride and self._off_stride >= self.cap // 2:
@@ -142,7 +147,7 @@ class RunWatch:
         for i, (p, n) in enumerate(zip(self.points, self._numbers, strict=True)):
             if n % stride == 0:
                 kept.append(i)
-            elif p.get("loss") is None and self._off_stride < self.cap // 2:
+            elif p.get("loss", 0) is None and self._off_stride < self.cap // 2:
                 kept.append(i)
                 self._off_stride += 1
         self.points = [self.points[i] for i in kept]
@@ -194,14 +199,8 @@ class RunWatch:
                 new.setdefault("replace", []).append(name)
 
     def _parse(self, line: bytes) -> dict | None:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            self.bad_lines += 1
-            return None
-        if not isinstance(record, dict) or not _placed(record):
-            self.bad_lines += 1
-            return None
+        record = records.parse(line)
+        self.bad_lines += record is None
         return record
 
     def snapshot(self) -> dict:
@@ -209,18 +208,6 @@ class RunWatch:
                 "points": self.points, "windows": self.windows,
                 "validation": self.validation, "events": self.events,
                 "stride": [self.stride, self.window_stride], "bad_lines": self.bad_lines}
-
-
-def _placed(record: dict) -> bool:
-    """Whether a record says which steps it is of, as the curves need to place it."""
-    if record.get("type") == "ranks":
-        steps = record.get("steps")
-        return isinstance(steps, list) and len(steps) == 2 and all(map(_is_step, steps))
-    return _is_step(record.get("step", 0 if record.get("type") == "event" else None))
-
-
-def _is_step(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _find_all(block: memoryview, text: bytes) -> list[int]:

@@ -2,7 +2,8 @@
 
 A file is never read twice: each read starts where the last complete line ended, and a
 last line without its newline (the writer is in the middle of it) is held back until it is
-whole.
+whole. A line longer than ``MAX_LINE`` is no record anyone wrote: it is skipped (and
+counted) rather than held in memory however long it grows.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 from collections.abc import Iterator
 
 CHUNK = 16 << 20
+MAX_LINE = 64 << 20  # a step line of shoal's is well under 1 KB, one of 10,000 ranks ~1 MB
 
 
 class LineTail:
@@ -21,6 +23,8 @@ class LineTail:
         self.offset = offset
         self.size = 0  # the file's size at the last look
         self.replaced = False  # the file shrank: it was replaced, and is read from the start
+        self.skipped = 0  # lines longer than MAX_LINE, skipped
+        self._skipping = False  # in the middle of such a line: read on to its end
 
     def grew(self) -> bool:
         """Whether the file holds bytes past the offset (one stat, no read)."""
@@ -29,7 +33,7 @@ class LineTail:
         except FileNotFoundError:
             return False
         if self.size < self.offset:
-            self.offset, self.replaced = 0, True
+            self.offset, self.replaced, self._skipping = 0, True, False
         return self.size > self.offset
 
     def lines(self) -> Iterator[bytes]:
@@ -51,10 +55,23 @@ class LineTail:
             f.seek(self.offset)
             while n := f.readinto(view[held:]):
                 n += held
+                if self._skipping:  # the rest of an overlong line: up to its newline
+                    done = buffer.find(b"\n", 0, n)
+                    if done < 0:
+                        self.offset, held = self.offset + n, 0
+                        continue
+                    self.offset += done + 1
+                    self._skipping = False
+                    n -= done + 1
+                    buffer[:n] = buffer[done + 1:done + 1 + n]  # what follows it, read on
                 end = buffer.rfind(b"\n", 0, n)
                 if end < 0:  # not one whole line in the buffer
                     held = n
-                    if held == len(buffer):  # a line longer than the buffer: make room
+                    if held >= MAX_LINE:  # no record: skipped, not held
+                        self.offset += held
+                        held, self._skipping = 0, True
+                        self.skipped += 1
+                    elif held == len(buffer):  # a line longer than the buffer: make room
                         buffer = buffer + bytes(len(buffer))
                         view = memoryview(buffer)
                     continue

@@ -10,6 +10,8 @@ const runs = [];          // what the server sent, per run
 const charts = {};        // uPlot instances by element id
 let focus = 0;            // the run whose per-rank views are shown
 let dirty = false;
+let link = "connecting";  // the stream: "live", "lost" (retrying), "stopped", "refused"
+let linkSince = null;     // when it was lost or stopped
 
 const $ = (id) => document.getElementById(id);
 const color = (i) => COLORS[i % COLORS.length];
@@ -23,8 +25,24 @@ const isRL = (run) => run.points.some((p) => p.episode_return !== undefined);
 
 // ---- the stream --------------------------------------------------------------------------
 
+// Once every run has ended nothing more can come: a stream lost then is not retried. A
+// server that stops says so first ("closed"); a stream lost without that (the server was
+// killed, the network went) is retried, as EventSource does, until it comes back.
 function connect() {
   const source = new EventSource(withToken("api/events"));
+  const lost = (state) => {
+    if (link !== state) linkSince = new Date();
+    link = state;
+    if (state !== "lost") source.close();
+    showStatus();
+  };
+  source.onopen = () => { link = "live"; showStatus(); };
+  source.addEventListener("closed", () => lost("stopped"));
+  source.onerror = () => {
+    // CLOSED here: the server answered, but not with a stream (a new token?).
+    if (source.readyState === EventSource.CLOSED) lost("refused");
+    else lost(runs.length && runs.every(ended) ? "stopped" : "lost");
+  };
   source.addEventListener("snapshot", (e) => {
     runs.length = 0;
     for (const run of JSON.parse(e.data).runs) runs.push(run);
@@ -35,7 +53,41 @@ function connect() {
     for (const change of JSON.parse(e.data)) apply(change);
     changed();
   });
-  source.onerror = () => { $("status").textContent = "reconnecting…"; };
+}
+
+const ended = (run) => run.events.length > 0 && run.events[run.events.length - 1].kind === "end";
+
+// When the newest record of `run` was written (seconds), from the records' own times.
+function newest(run) {
+  let t = null;
+  for (const key of ["points", "windows", "validation", "events"]) {
+    const list = run[key];
+    const last = list.length ? list[list.length - 1].time : null;
+    if (typeof last === "number" && (t === null || last > t)) t = last;
+  }
+  return t;
+}
+
+function showStatus() {
+  const run = runs[focus] || runs[0];
+  const since = linkSince ? linkSince.toLocaleTimeString() : "";
+  const note = {connecting: "", live: "", lost: ` · connection lost at ${since}, reconnecting…`,
+    stopped: ` · server stopped at ${since}`,
+    refused: " · the server refused the stream: open the address it printed (with its token)",
+  }[link];
+  if (!run) {
+    $("status").textContent = link === "connecting" ? "connecting…" : note.slice(3);
+    return;
+  }
+  const last = run.points.length ? run.points[run.points.length - 1].step : null;
+  const t = newest(run);
+  $("status").textContent = (last === null ? `${run.name}: waiting for the first step` :
+    `${run.name}: step ${last}`) + (ended(run) ? " · ended" : "") +
+    (t === null ? "" : ` · updated ${new Date(1000 * t).toLocaleTimeString()}`) + note;
+  document.body.dataset.lastStep = last === null ? "" : String(last);
+  document.body.dataset.updated = t === null ? "" : String(t);
+  document.body.dataset.link = link;
+  document.body.dataset.ended = String(ended(run));
 }
 
 function apply(change) {
@@ -157,13 +209,7 @@ function draw() {
   drawCurves();
   drawFocus();
   drawAlerts();
-  const run = runs[focus] || runs[0];
-  const last = run.points.length ? run.points[run.points.length - 1].step : null;
-  const ended = run.events.length && run.events[run.events.length - 1].kind === "end";
-  const when = new Date().toLocaleTimeString();
-  $("status").textContent = last === null ? `${run.name}: waiting for the first step` :
-    `${run.name}: step ${last}${ended ? " (ended)" : ""} · updated ${when}`;
-  document.body.dataset.lastStep = last === null ? "" : String(last);
+  showStatus();
   document.body.dataset.points = String(runs.reduce((n, r) => n + r.points.length, 0));
 }
 
@@ -275,49 +321,101 @@ function drawResources(run) {
   }
 }
 
-// Rank x step: a column per point, a row per rank; darker is slower.
+// Rank x step: a column per point, a row per rank; darker is slower. Ranks are labelled on
+// the left, steps below, and the colour bar on the right gives the scale in ms.
+const HEAT = {left: 52, right: 76, bottom: 20, font: "11px sans-serif"};
+const shade = (t) => [252 - 197 * t, 246 - 221 * t, 216 - 81 * t];
+const ms = (v) => `${(1e3 * v).toFixed(1)} ms`;
+
 function heatmap(id, run, field) {
   const canvas = $(id);
   const points = run.points.filter((p) => Array.isArray(p[field]));
   const w = Math.max(300, canvas.parentElement.clientWidth - 16);
   const world = points.length ? points[points.length - 1][field].length : 0;
-  const h = Math.max(40, Math.min(240, world * 14));
+  const plotH = Math.max(40, Math.min(240, world * 14));
+  const h = plotH + HEAT.bottom;
   canvas.width = w;
   canvas.height = h;
   canvas.style.height = `${h}px`;
   const ctx = canvas.getContext("2d");
   ctx.clearRect(0, 0, w, h);
+  Object.assign(canvas.dataset, {ranks: "", steps: "", scale: ""});
   if (!points.length || !world) return;
-  const values = points.flatMap((p) => p[field]).filter((v) => v !== null).sort((a, b) => a - b);
+  const plotW = w - HEAT.left - HEAT.right;
+  const values = points.flatMap((p) => p[field]).filter((v) => typeof v === "number")
+    .sort((a, b) => a - b);
   const lo = values[0] || 0;
   const hi = values[Math.floor(0.99 * (values.length - 1))] || 1;
-  const image = ctx.createImageData(w, h);
-  const row = h / world;
-  for (let x = 0; x < w; x++) {
-    const p = points[Math.min(points.length - 1, Math.floor((x / w) * points.length))];
+  const pointAt = (x) => points[Math.min(points.length - 1, Math.floor((x / plotW) * points.length))];
+  const row = plotH / world;
+  const image = ctx.createImageData(plotW, plotH);
+  for (let x = 0; x < plotW; x++) {
+    const p = pointAt(x);
     for (let r = 0; r < world; r++) {
       const v = p[field][r];
-      const t = v === null || v === undefined ? 0 : Math.min(1, Math.max(0, (v - lo) / (hi - lo || 1)));
-      const [cr, cg, cb] = [252 - 197 * t, 246 - 221 * t, 216 - 81 * t];
+      const t = typeof v !== "number" ? 0 : Math.min(1, Math.max(0, (v - lo) / (hi - lo || 1)));
+      const [cr, cg, cb] = shade(t);
       for (let y = Math.floor(r * row); y < Math.floor((r + 1) * row); y++) {
-        const o = 4 * (y * w + x);
+        const o = 4 * (y * plotW + x);
         image.data[o] = cr; image.data[o + 1] = cg; image.data[o + 2] = cb; image.data[o + 3] = 255;
       }
     }
   }
-  ctx.putImageData(image, 0, 0);
-  $(`${id}-scale`).textContent = `light ${(1e3 * lo).toFixed(1)} ms → dark ${(1e3 * hi).toFixed(1)} ms; ` +
-    `rows: ranks 0-${world - 1}; steps ${points[0].step}-${points[points.length - 1].step}`;
+  ctx.putImageData(image, HEAT.left, 0);
+  ctx.font = HEAT.font;
+  ctx.fillStyle = "#222";
+  ctx.strokeStyle = "#222";
+  // Ranks: as many labels as fit, 12 px apart at least.
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  const ranks = [];
+  for (let r = 0; r < world; r += Math.ceil(12 / row)) {
+    ctx.fillText(`rank ${r}`, HEAT.left - 4, (r + 0.5) * row);
+    ranks.push(r);
+  }
+  // Steps: a tick about every 100 px, at the step its column shows.
+  ctx.textAlign = "center";
+  ctx.textBaseline = "top";
+  const steps = [];
+  const ticks = Math.max(2, Math.floor(plotW / 100));
+  for (let k = 0; k < ticks; k++) {
+    const x = Math.round((k / (ticks - 1)) * (plotW - 1));
+    const step = pointAt(x).step;
+    ctx.fillRect(HEAT.left + x, plotH, 1, 4);
+    ctx.textAlign = k === 0 ? "left" : k === ticks - 1 ? "right" : "center";
+    ctx.fillText(String(step), HEAT.left + x, plotH + 5);
+    steps.push(step);
+  }
+  // The colour bar: light (fastest) at the bottom, dark (99th percentile and over) on top.
+  const barX = w - HEAT.right + 8;
+  for (let y = 0; y < plotH; y++) {
+    const [cr, cg, cb] = shade(1 - y / Math.max(1, plotH - 1));
+    ctx.fillStyle = `rgb(${cr},${cg},${cb})`;
+    ctx.fillRect(barX, y, 12, 1);
+  }
+  ctx.fillStyle = "#222";
+  ctx.textAlign = "left";
+  ctx.textBaseline = "top";
+  ctx.fillText(ms(hi), barX + 15, 0);
+  ctx.textBaseline = "bottom";
+  ctx.fillText(ms(lo), barX + 15, plotH);
+  Object.assign(canvas.dataset, {ranks: ranks.join(","), steps: steps.join(","),
+    scale: `${lo},${hi}`});
+  $(`${id}-scale`).textContent = `darker is slower; ${world} ranks, steps ` +
+    `${points[0].step}-${points[points.length - 1].step}`;
   canvas.onmousemove = (e) => {
     const box = canvas.getBoundingClientRect();
-    const p = points[Math.min(points.length - 1, Math.floor(((e.clientX - box.left) / box.width) * points.length))];
-    const r = Math.min(world - 1, Math.floor(((e.clientY - box.top) / box.height) * world));
-    const v = p[field][r];
+    const x = (e.clientX - box.left) * (w / box.width) - HEAT.left;
+    const y = (e.clientY - box.top) * (h / box.height);
     const tip = $("tip");
+    if (x < 0 || x >= plotW || y >= plotH) { tip.hidden = true; return; }
+    const p = pointAt(x);
+    const r = Math.min(world - 1, Math.floor(y / row));
+    const v = p[field][r];
     tip.hidden = false;
     tip.style.left = `${e.clientX + 12}px`;
     tip.style.top = `${e.clientY + 12}px`;
-    tip.textContent = `rank ${r}, step ${p.step}: ${v === null ? "–" : (1e3 * v).toFixed(2)} ms`;
+    tip.textContent = `rank ${r}, step ${p.step}: ${typeof v !== "number" ? "–" : (1e3 * v).toFixed(2)} ms`;
   };
   canvas.onmouseleave = () => { $("tip").hidden = true; };
 }
