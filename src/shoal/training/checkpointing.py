@@ -54,6 +54,7 @@ class Trainer(Protocol):
     epoch: int
     accumulate: int
     run_config: dict | None
+    tracking: dict[str, str]
     checkpointing: Checkpointing | None
 
     @property
@@ -115,7 +116,7 @@ class Checkpointing:
                 "consumed": consumed, "batch_size": c.batch_size,
                 "global_batch": t.harness.dims.dp * c.batch_size * t.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
-                "run_config": t.run_config,
+                "run_config": t.run_config, "tracking": t.tracking,
                 "remote": {name: m.tier_state() for name, m in remote_modules(t.module).items()}}
         path = self.store.save(t.global_step, shared, own, meta)
         self.saved_step = t.global_step
@@ -162,6 +163,7 @@ class Checkpointing:
             rng.restore(states[0])
         self._restore_comm(own, meta)
         t.global_step, t.epoch = meta["global_step"], meta["epoch"]
+        t.tracking = dict(meta.get("tracking") or {})  # the MLflow run to continue
         self.saved_step = t.global_step
         self._keep_global_batch(meta)
         writes = (f"new checkpoints go to {self.store.root}" if t.checkpointing is self

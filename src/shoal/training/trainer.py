@@ -130,6 +130,8 @@ class Trainer:
         self._preemption: PreemptionWatch | None = None
         self._metrics: StepMetrics | None = None
         self.run_config: dict | None = None  # the resolved run config, kept in checkpoints
+        # The MLflow run's id, kept in checkpoints: a resumed run logs into the same run.
+        self.tracking: dict[str, str] = {}
         self.checkpointing = Checkpointing(
             self, c.checkpoint_dir, c.checkpoint_every, c.keep_last, c.async_checkpoint,
             c.checkpoint_every_seconds) if c.checkpoint_dir else None
@@ -178,7 +180,10 @@ class Trainer:
         self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size,
                                     self.flops_per_token, c.precision,
                                     start_step=self.global_step,
-                                    resumed=bool(c.resume) and self.global_step > 0) \
+                                    resumed=bool(c.resume) and self.global_step > 0,
+                                    params=self.run_config or {"trainer": c.model_dump(
+                                        mode="json")},
+                                    tracking=self.tracking) \
             if c.metrics.enabled else None
         try:
             if self._preemption:
@@ -202,8 +207,9 @@ class Trainer:
                 else:  # stopped by max_steps inside the epoch: it goes on from here
                     consumed = self._position or 0
                     break
+            result = {**metrics, "global_step": self.global_step}
             if self._metrics:
-                self._metrics.finish(show_summary=c.progress)
+                self._metrics.finish(show_summary=c.progress, result=result)
                 self._metrics.record("event", self.global_step, kind="end")
         finally:
             progress.close()
@@ -215,7 +221,7 @@ class Trainer:
             if self.checkpointing.saved_step != self.global_step:
                 self.checkpointing.save(consumed)
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
-        return {**metrics, "global_step": self.global_step}
+        return result
 
     def _finished(self, epochs: int | None, max_steps: int | None,
                   epoch: int | None = None) -> bool:
@@ -291,6 +297,8 @@ class Trainer:
                                    self.optimizer.param_groups[0]["lr"],
                                    step_loss / (position + 1), h.last_grad_norm,
                                    step_samples, step_tokens, h.last_comm)
+                if self.checkpointing and self.checkpointing.saved_step == self.global_step:
+                    self._metrics.flush()  # what a checkpoint holds is logged: none lost
             if progress.wants_update():
                 rate = samples * h.dims.dp / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
