@@ -82,6 +82,8 @@ class Checkpointing:
         self.saved_at = time.monotonic()
         self._requested = False  # a timed save was asked for and has not happened yet
         self.local = trainer.config.strategy in ("local_sgd", "diloco")
+        # Collective, called by every rank first thing in a save (the step metrics' flush).
+        self.before_save: Callable[[], None] | None = None
 
     def time_due(self) -> bool:
         """Rank 0's clock says a timed checkpoint is due (the ranks then agree on a step);
@@ -98,6 +100,8 @@ class Checkpointing:
 
     def save(self, consumed: int | None) -> Path | None:
         t = self.trainer
+        if self.before_save is not None:
+            self.before_save()
         if not _finite(t):
             _say(t, f"not saving step {t.global_step}: the model holds NaN or Inf; the last "
                     "good checkpoint stays the newest")

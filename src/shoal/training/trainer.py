@@ -185,6 +185,8 @@ class Trainer:
                                         mode="json")},
                                     tracking=self.tracking) \
             if c.metrics.enabled else None
+        if self.checkpointing and self._metrics:
+            self.checkpointing.before_save = self._metrics.flush
         try:
             if self._preemption:
                 self._preemption.start()
@@ -297,8 +299,7 @@ class Trainer:
                                    self.optimizer.param_groups[0]["lr"],
                                    step_loss / (position + 1), h.last_grad_norm,
                                    step_samples, step_tokens, h.last_comm)
-                if self.checkpointing and self.checkpointing.saved_step == self.global_step:
-                    self._metrics.flush()  # what a checkpoint holds is logged: none lost
+            self._checkpoint_step(self._position)
             if progress.wants_update():
                 rate = samples * h.dims.dp / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
@@ -375,6 +376,11 @@ class Trainer:
         self.global_step += 1
         heartbeat(self.global_step)
         self._position = consumed
+
+    def _checkpoint_step(self, consumed: int | None) -> None:
+        """After the step's metrics are recorded: a checkpoint when one is due (the figures
+        of its steps are written first: a run killed after it loses none), and the stop a
+        preemption signal asks for."""
         if self.checkpointing:
             self.checkpointing.after_step(consumed)
             if self._preemption:
@@ -383,13 +389,15 @@ class Trainer:
                     self.checkpointing.save(consumed)
                 if signum:
                     self._stop_for(signum, consumed)
+            if self._metrics:
+                self._metrics.clock.skip()  # a save's time is the next step's 'other'
 
     def _stop_for(self, signum: int, consumed: int | None) -> None:
         """Every rank is here at the same step: save, then exit with 128 + signal."""
         if self.checkpointing.saved_step != self.global_step:
             self.checkpointing.save(consumed)
         self.checkpointing.store.wait()
-        if self._metrics:  # the last steps' figures are written too
+        if self._metrics:  # the end-of-run table of this part of the run, in MLflow too
             self._metrics.finish(show_summary=False)
         name = signal.Signals(signum).name
         if self.harness.is_main:
