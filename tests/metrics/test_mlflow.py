@@ -98,6 +98,19 @@ def test_without_the_mlflow_package_the_config_names_the_extra(tmp_path, monkeyp
                           "MLflow logging needs the mlflow package: pip install shoal[mlflow]\n")
 
 
+def test_a_database_store_without_the_full_package_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # the mlflow extra's client alone
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    out = run_shoal_in_process("train", "--config", "examples/digits.yaml",
+                               f"run.dir={tmp_path}/run",
+                               f"trainer.metrics.mlflow.tracking_uri={store}")
+    assert out.returncode == 2
+    assert out.stderr == (
+        f"shoal train: error: trainer.metrics.mlflow: MLflow tracking into the database {store} "
+        "needs the full mlflow package (pip install mlflow); or set tracking_uri to a tracking "
+        "server (http://host:5000)\n")
+
+
 def test_a_server_that_stops_answering_mid_run_costs_one_line(tracking_uri, capsys):
     run = MLflowRun.start(MLflowConfig(tracking_uri=tracking_uri), {"a": {"b": 1}})
     assert run is not None

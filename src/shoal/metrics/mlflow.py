@@ -29,6 +29,7 @@ from shoal.errors import UsageError
 INSTALL = "pip install shoal[mlflow]"
 # MLflow's limits of one log_batch request and of a param's value.
 _BATCH_METRICS, _BATCH_PARAMS, _PARAM_LENGTH = 1000, 100, 6000
+_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQL stores
 
 
 class MLflowConfig(BaseModel):
@@ -80,10 +81,17 @@ def _bounded(config: MLflowConfig, retries: int) -> Iterator[None]:
 
 def _client(config: MLflowConfig) -> Any:
     try:
-        from mlflow import MlflowClient
+        import mlflow
     except ImportError:
-        raise UsageError(f"metrics.mlflow needs the mlflow package: {INSTALL}") from None
-    return MlflowClient(tracking_uri=config.tracking_uri)
+        raise UsageError(f"MLflow logging needs the mlflow package: {INSTALL}") from None
+    uri = config.tracking_uri or mlflow.get_tracking_uri()
+    if uri.split(":", 1)[0].split("+")[0] in _DATABASES and \
+            importlib.util.find_spec("sqlalchemy") is None:
+        # The extra installs MLflow's client (mlflow-skinny), which talks to a server.
+        raise UsageError(f"MLflow tracking into the database {uri} needs the full mlflow "
+                         "package (pip install mlflow); or set tracking_uri to a tracking "
+                         "server (http://host:5000)")
+    return mlflow.MlflowClient(tracking_uri=uri)
 
 
 def _reason(exc: BaseException) -> str:
@@ -99,7 +107,10 @@ def _reason(exc: BaseException) -> str:
 def check_tracking(config: MLflowConfig, section: str = "metrics.mlflow") -> str:
     """Before any worker starts: the tracking server answers and a named run exists.
     Returns the line to print; raises a one-line UsageError naming ``section``."""
-    client = _client(config)
+    try:
+        client = _client(config)
+    except UsageError as exc:
+        raise UsageError(f"{section}: {exc}") from None
     uri = client.tracking_uri
     with _bounded(config, retries=0):
         try:
