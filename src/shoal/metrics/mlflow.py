@@ -3,10 +3,11 @@
 The one module that meets MLflow. Rank 0 opens the run when training starts (a new one, or
 the one a resumed checkpoint or the config names), logs the resolved run config as params
 (flattened keys: ``trainer.batch_size``), each metrics window's figures in one request, and
-at the end the summary table and the final metrics as artifacts. Every request is bounded
-(``timeout``, few retries): a tracking server that cannot be reached is one line before the
-start, and one that stops answering mid-run is one line and the end of MLflow logging,
-never the end of the run.
+at the end the summary table and the final metrics as artifacts. Requests go out from a
+thread of their own, so training never waits for the tracking server, and each is bounded
+(``timeout``, few retries): a server that cannot be reached is one line before the start,
+and one that stops answering mid-run is one line and the end of MLflow logging, never the
+end of the run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import importlib.util
 import json
 import math
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -161,6 +164,11 @@ class MLflowRun:
         self.client, self.config, self.run_id = client, config, run_id
         self._pending: list[Any] = []  # metrics of the window, sent by flush
         self._failed = False
+        # Requests in order, sent by one thread: a slow server never holds up a step.
+        self._requests: queue.Queue = queue.Queue()
+        self._sender = threading.Thread(target=self._send_all, name="shoal-mlflow",
+                                        daemon=True)
+        self._sender.start()
 
     @classmethod
     def start(cls, config: MLflowConfig, params: dict, run_name: str | None = None,
@@ -235,17 +243,35 @@ class MLflowRun:
         self._call(self.client.log_dict, self.run_id, data, name)
 
     def end(self, status: str = "FINISHED") -> None:
-        """Send what is pending and mark the run FINISHED, FAILED or KILLED."""
+        """Send what is pending, mark the run FINISHED, FAILED or KILLED, and wait for the
+        requests to go out (each is bounded; after a failure the rest are dropped)."""
         self.flush()
         self._call(self.client.set_terminated, self.run_id, status)
+        self._requests.put(None)
+        self._sender.join()
+
+    def wait(self) -> None:
+        """Until every request so far went out (or was dropped after a failure)."""
+        self._requests.join()
 
     def _send(self, **batch: Any) -> None:
         self._call(self.client.log_batch, self.run_id, **batch)
 
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> None:
-        """A request, bounded; the first failure is said once and ends MLflow logging."""
-        if self._failed:
-            return
+        self._requests.put((method, args, kwargs))
+
+    def _send_all(self) -> None:
+        """The sender thread: each request bounded; the first failure is said once and
+        ends MLflow logging."""
+        while (request := self._requests.get()) is not None:
+            try:
+                if not self._failed:
+                    self._send_one(*request)
+            finally:
+                self._requests.task_done()
+        self._requests.task_done()
+
+    def _send_one(self, method: Any, args: tuple, kwargs: dict) -> None:
         with _bounded(self.config, retries=2):
             try:
                 method(*args, **kwargs)

@@ -159,6 +159,13 @@ class StepMetrics:
         if len(self._steps) >= self.config.every:
             self.flush()
 
+    def sync(self) -> None:
+        """Collective, before a checkpoint: the steps so far written, and sent to MLflow,
+        so that every step the checkpoint holds is logged when it is committed."""
+        self.flush()
+        if self.mlflow is not None:
+            self.mlflow.wait()
+
     def flush(self) -> None:
         """Collective: every rank calls it at the same step."""
         if not self._steps:
@@ -184,7 +191,6 @@ class StepMetrics:
         if self.rank == 0:
             self._report(flat.cpu().view(self.world, -1))
         self._steps, self._losses, self._norms = [], [], []
-        self.clock.skip()  # the gather and the writing count as the next step's 'other'
 
     def _report(self, table: torch.Tensor) -> None:
         n = len(self._steps)

@@ -186,7 +186,7 @@ class Trainer:
                                     tracking=self.tracking) \
             if c.metrics.enabled else None
         if self.checkpointing and self._metrics:
-            self.checkpointing.before_save = self._metrics.flush
+            self.checkpointing.before_save = self._metrics.sync
         try:
             if self._preemption:
                 self._preemption.start()
