@@ -207,6 +207,8 @@ class PPO:
                     clock.skip()
                 if self.store:
                     if c.checkpoint_every and self.update % c.checkpoint_every == 0:
+                        if metrics:  # what the checkpoint holds is logged before it is
+                            metrics.sync()
                         self.save()
                     signum, _ = watch.poll()
                     if signum:
