@@ -46,6 +46,7 @@ def run(data, steps: int, every: int, directory: str, mlflow: dict | None) -> tu
 
 def worker(repeats: int, steps: int, every: int, uri: str | None, root: str) -> dict:
     shoal.init()
+    os.chdir(root)  # a sqlite store keeps the artifacts in ./mlruns
     data, _ = build_data()
     tracked = {"tracking_uri": uri or f"sqlite:///{root}/mlflow.db", "experiment": "bench"}
     kinds = {"files": None, "mlflow": tracked}
