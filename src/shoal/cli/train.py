@@ -82,6 +82,12 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
         first = spec.node_rank == 0
     check_gpus(config.rl.backend if rl else config.trainer.backend, config.run.nproc_per_node)
     overrides = [*overrides, *_resume_on_restart(config, spec, rl, first)]
+    metrics = config.rl.metrics if rl else config.trainer.metrics
+    if metrics.mlflow is not None and first:  # rank 0's node logs to it: reachable now
+        from shoal.metrics.mlflow import check_tracking
+
+        section = f"{'rl' if rl else 'trainer'}.metrics.mlflow"
+        print(f"shoal: {check_tracking(metrics.mlflow, section)}", file=sys.stderr, flush=True)
     if not rl and config.remote_hardware is not None:
         from shoal.remote.tier import probe
 
@@ -90,7 +96,7 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
     if fetched:
         return fetched
     resolved = save_run_config(config) if first else None
-    metrics_dir = (config.rl.metrics if rl else config.trainer.metrics).dir or config.run.dir
+    metrics_dir = metrics.dir or config.run.dir
     with serve_during(args, metrics_dir if first else None):
         if spec.world_size == 1 and not in_place:
             announce(spec, cluster)

@@ -3,8 +3,9 @@
 Each rank keeps a few floats per step (phases, loss, samples, bytes). Every ``every`` steps
 one all-gather brings them and each rank's resource use to rank 0, which writes a JSON line
 per step and one per window (every rank's figures and the straggler, if any), mirrors the
-main figures to TensorBoard, and prints the straggler when it changes. At the end of the
-run rank 0 prints a table: every rank's mean step split, CPU and memory.
+main figures to TensorBoard and, when asked, to an MLflow run, and prints the straggler when
+it changes. At the end of the run rank 0 prints a table: every rank's mean step split, CPU
+and memory.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import sys
 import time
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shoal.metrics.flops import peak_flops
+from shoal.metrics.mlflow import MLflowConfig, MLflowRun, status_of
 from shoal.metrics.resources import FIELDS as RESOURCE_FIELDS
 from shoal.metrics.resources import ResourceSampler, memory_limit
 from shoal.metrics.steps import PHASES, StepClock
@@ -26,6 +28,7 @@ from shoal.runtime.collectives import gather_into_tensor
 
 STEP_FIELDS = (*PHASES, "step", "samples", "tokens", "bytes")
 TENSOR_FIELDS = ("loss", "grad_norm")  # device tensors, read once per window
+SUMMARY = "summary.txt"  # the end-of-run table, as an MLflow artifact
 
 
 class MetricsConfig(BaseModel):
@@ -58,6 +61,21 @@ class MetricsConfig(BaseModel):
     """Peak FLOP/s of one device in the training precision, for the model FLOPs utilization
     (MFU) of models that say their FLOPs per token; default: from shoal's table of known
     GPUs (dense tensor-core bf16/fp16, or fp32), none on a CPU."""
+    mlflow: MLflowConfig | None = None
+    """Also log to an MLflow run from rank 0: params, the figures of every step, the
+    end-of-run table and the final metrics (see MLflowConfig); true: MLflow's defaults."""
+
+    @field_validator("mlflow", mode="before")
+    @classmethod
+    def _mlflow_switch(cls, value: object) -> object:
+        return {} if value is True else None if value is False else value
+
+    @model_validator(mode="after")
+    def _mlflow_needs_metrics(self) -> MetricsConfig:
+        if self.mlflow is not None and not self.enabled:
+            raise ValueError("mlflow logs the step metrics, which enabled: false turns off "
+                             "(set enabled: true, or unset mlflow)")
+        return self
 
 
 class StepMetrics:
@@ -66,11 +84,15 @@ class StepMetrics:
     def __init__(self, config: MetricsConfig, device: torch.device, rank: int, world: int,
                  flops_per_token: float | None = None, precision: str = "32",
                  extras: tuple[str, ...] = (), labels: dict[str, str] | None = None,
-                 start_step: int = 0, resumed: bool = False):
+                 start_step: int = 0, resumed: bool = False, params: dict | None = None,
+                 tracking: dict[str, str] | None = None):
         """``extras``: the names of further figures each ``step`` gives (the same on every
         rank, or averaged over them); ``labels``: names the phases go by in what is
         printed (reinforcement learning's 'data' is its rollout); ``start_step`` and
-        ``resumed``: where this start of the job begins, marked in metrics.jsonl."""
+        ``resumed``: where this start of the job begins, marked in metrics.jsonl;
+        ``params``: the settings an MLflow run logs as its params; ``tracking``: the
+        tracker's run id a resumed checkpoint kept (continued), updated with the run
+        opened (to be kept in the next checkpoints)."""
         self.config = config
         self.fields = (*STEP_FIELDS, *extras)
         self.extras = extras
@@ -87,6 +109,8 @@ class StepMetrics:
             if config.resources else None
         self.writer = MetricsWriter(config.dir, config.tensorboard) \
             if config.dir and rank == 0 else None
+        self.mlflow = self._open_mlflow(params or {}, tracking if tracking is not None else {}) \
+            if config.mlflow is not None and rank == 0 else None
         self._steps: list[tuple[int, int, float, dict[str, float]]] = []  # step, epoch, lr
         self._losses: list[torch.Tensor] = []  # device tensors: read once per window
         self._norms: list[torch.Tensor | None] = []
@@ -99,11 +123,23 @@ class StepMetrics:
                     world_size=world, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                     memory_limit_bytes=memory_limit())
 
+    def _open_mlflow(self, params: dict, tracking: dict[str, str]) -> MLflowRun | None:
+        name = os.path.basename(os.path.normpath(self.config.dir)) if self.config.dir else None
+        run = MLflowRun.start(self.config.mlflow, params, run_name=name,
+                              resume_id=tracking.get("mlflow_run_id"))
+        if run is not None:
+            tracking["mlflow_run_id"] = run.run_id
+        return run
+
     def record(self, type_: str, step: int, /, **fields) -> None:
         """A line of type ``type_`` at ``step`` in metrics.jsonl (rank 0; others: no-op),
-        e.g. validation results, or an event: start, resume, end."""
+        e.g. validation results, or an event: start, resume, end. Validation figures go to
+        MLflow too."""
         if self.writer is not None:
             self.writer.write({"type": type_, "step": step, "time": time.time(), **fields})
+        if self.mlflow is not None and type_ == "validation":
+            self.mlflow.log_metrics(step, {k: v for k, v in fields.items()
+                                           if k != "epoch" and isinstance(v, (int, float))})
 
     def wants_grad_norm(self, global_step: int) -> bool:
         every = self.config.grad_norm_every
@@ -122,6 +158,13 @@ class StepMetrics:
         self._norms.append(grad_norm.detach() if grad_norm is not None else None)
         if len(self._steps) >= self.config.every:
             self.flush()
+
+    def sync(self) -> None:
+        """Collective, before a checkpoint: the steps so far written, and sent to MLflow,
+        so that every step the checkpoint holds is logged when it is committed."""
+        self.flush()
+        if self.mlflow is not None:
+            self.mlflow.wait()
 
     def flush(self) -> None:
         """Collective: every rank calls it at the same step."""
@@ -167,7 +210,7 @@ class StepMetrics:
             print(f"shoal: {describe(straggler, first, last, self.labels)}", file=sys.stderr,
                   flush=True)
         self._last_straggler = (straggler["rank"], straggler["phase"]) if straggler else None
-        if self.writer is None:
+        if self.writer is None and self.mlflow is None:
             return
         now = time.time()
         for i, (global_step, epoch, lr, _) in enumerate(self._steps):
@@ -189,8 +232,9 @@ class StepMetrics:
                 record["tokens_per_s"] = tokens / step_time
                 if self.flops_per_token:
                     record["mfu"] = self.mfu(record["tokens_per_s"])
-            self.writer.write(record)
-            self.writer.scalars(global_step, {
+            if self.writer is not None:
+                self.writer.write(record)
+            self._scalars(global_step, {
                 "train/loss": record["loss"], "train/lr": lr,
                 "train/grad_norm": record["grad_norm"],
                 "train/samples_per_s": record["samples_per_s"],
@@ -199,11 +243,21 @@ class StepMetrics:
                 "time/step_s": step_time, "comm/bytes": record["comm_bytes"],
                 **{f"train/{name}": record[name] for name in self.extras},
                 **{f"time/{p}_s": v for p, v in record["phases_s"].items()}})
-        self.writer.write({"type": "ranks", "steps": [first, last], "time": now,
-                           "ranks": [{"rank": r, **row} for r, row in enumerate(ranks)],
-                           "straggler": straggler})
-        self.writer.scalars(last, {f"rank{r}/{k}": v for r, row in enumerate(ranks)
-                                   for k, v in row.items() if k != "step"})
+        if self.writer is not None:
+            self.writer.write({"type": "ranks", "steps": [first, last], "time": now,
+                               "ranks": [{"rank": r, **row} for r, row in enumerate(ranks)],
+                               "straggler": straggler})
+        self._scalars(last, {f"rank{r}/{k}": v for r, row in enumerate(ranks)
+                             for k, v in row.items() if k != "step"})
+        if self.mlflow is not None:
+            self.mlflow.flush()  # the window in one request
+
+    def _scalars(self, step: int, values: dict[str, float | None]) -> None:
+        """The main figures, to TensorBoard and MLflow under the same names."""
+        if self.writer is not None:
+            self.writer.scalars(step, values)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics(step, values)
 
     def _accumulate(self, column: dict[str, torch.Tensor], resources: torch.Tensor,
                     n: int) -> None:
@@ -223,22 +277,36 @@ class StepMetrics:
         """Model FLOPs utilization of the whole job at this token rate (0..1)."""
         return tokens_per_s * self.flops_per_token / (self.peak_flops * self.world)
 
-    def finish(self, show_summary: bool = True) -> None:
-        """Collective, at the end of training: the last window, then rank 0's table."""
+    def finish(self, show_summary: bool = True, result: dict | None = None) -> None:
+        """Collective, at the end of training: the last window, then rank 0's table (and
+        in MLflow the table and ``result``, the run's final metrics, as metrics.json)."""
         self.flush()
-        if show_summary and self.rank == 0 and self.totals and self.total_steps:
-            print(summary_table(self.totals, self.total_steps, self.labels), flush=True)
+        if self.rank != 0:
+            return
+        if self.totals and self.total_steps:
+            lines = [summary_table(self.totals, self.total_steps, self.labels)]
             if self.total_tokens and self.total_time:
                 rate = self.total_tokens / self.total_time
                 mfu = f", MFU {self.mfu(rate):.1%}" if self.flops_per_token else ""
-                print(f"shoal: {rate:,.0f} tokens/s{mfu}", flush=True)
+                lines.append(f"shoal: {rate:,.0f} tokens/s{mfu}")
+            if show_summary:
+                print("\n".join(lines), flush=True)
+            if self.mlflow is not None:
+                self.mlflow.log_text("\n".join(lines) + "\n", SUMMARY)
+        if self.mlflow is not None and result is not None:
+            self.mlflow.log_dict(result, "metrics.json")
 
     def close(self) -> None:
-        """Not collective (also on the way out of an error): stop sampling, close files."""
+        """Not collective (also on the way out of an error): stop sampling, close files,
+        end the MLflow run (FINISHED; KILLED on the way out of an exit or interrupt;
+        FAILED out of an error)."""
         if self.sampler:
             self.sampler.stop()
         if self.writer is not None:
             self.writer.close()
+        if self.mlflow is not None:
+            self.mlflow.end(status_of(sys.exc_info()[1]))
+            self.mlflow = None
 
 
 def summary_table(totals: list[dict[str, float]], steps: int,

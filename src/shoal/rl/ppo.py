@@ -70,6 +70,8 @@ class PPO:
             if c.checkpoint_dir else None
         self.saved_update = -1
         self.eval_return: float | None = None
+        # The MLflow run's id, kept in checkpoints: a resumed run logs into the same run.
+        self.tracking: dict[str, str] = {}
 
     def _open_envs(self, num_envs: int, generation: int) -> None:
         """This rank's environments, seeded from (seed, rank, index, generation)."""
@@ -153,7 +155,9 @@ class PPO:
                   + (f", from update {self.update}" if self.update else ""))
         metrics = StepMetrics(c.metrics, self.device, self.rank, self.world, extras=EXTRAS,
                               labels=LABELS, start_step=self.update,
-                              resumed=self.update > 0) if c.metrics.enabled else None
+                              resumed=self.update > 0,
+                              params={"rl": c.model_dump(mode="json")},
+                              tracking=self.tracking) if c.metrics.enabled else None
         clock = metrics.clock if metrics else None
         watch = PreemptionWatch(self.device) if self.store else None
         start, start_steps = time.perf_counter(), self.env_steps
@@ -203,6 +207,8 @@ class PPO:
                     clock.skip()
                 if self.store:
                     if c.checkpoint_every and self.update % c.checkpoint_every == 0:
+                        if metrics:  # what the checkpoint holds is logged before it is
+                            metrics.sync()
                         self.save()
                     signum, _ = watch.poll()
                     if signum:
@@ -278,7 +284,8 @@ class PPO:
                "episodes": self.episodes.state_dict()}
         meta = {"update": self.update, "env_steps": self.env_steps, "env": c.env,
                 "num_envs": self.num_envs, "global_envs": self.num_envs * self.world,
-                "num_steps": c.num_steps, "seed": c.seed, "rl_config": c.model_dump(mode="json")}
+                "num_steps": c.num_steps, "seed": c.seed, "rl_config": c.model_dump(mode="json"),
+                "tracking": self.tracking}
         path = self.store.save(self.update, {"model": model_state,
                                              "optimizer": optimizer_state}, own, meta)
         self.saved_update = self.update
@@ -302,6 +309,7 @@ class PPO:
         broadcast_from_first(self.policy)  # the same policy everywhere, whatever was read
         self.update, self.env_steps = meta["update"], meta["env_steps"]
         self.saved_update = self.update
+        self.tracking = dict(meta.get("tracking") or {})  # the MLflow run to continue
         if own is not None and meta["world_size"] == self.world \
                 and meta["num_envs"] == self.num_envs:
             rng.restore(own["rng"])

@@ -54,6 +54,7 @@ class Trainer(Protocol):
     epoch: int
     accumulate: int
     run_config: dict | None
+    tracking: dict[str, str]
     checkpointing: Checkpointing | None
 
     @property
@@ -81,6 +82,8 @@ class Checkpointing:
         self.saved_at = time.monotonic()
         self._requested = False  # a timed save was asked for and has not happened yet
         self.local = trainer.config.strategy in ("local_sgd", "diloco")
+        # Collective, called by every rank first thing in a save (the step metrics' flush).
+        self.before_save: Callable[[], None] | None = None
 
     def time_due(self) -> bool:
         """Rank 0's clock says a timed checkpoint is due (the ranks then agree on a step);
@@ -97,6 +100,8 @@ class Checkpointing:
 
     def save(self, consumed: int | None) -> Path | None:
         t = self.trainer
+        if self.before_save is not None:
+            self.before_save()
         if not _finite(t):
             _say(t, f"not saving step {t.global_step}: the model holds NaN or Inf; the last "
                     "good checkpoint stays the newest")
@@ -115,7 +120,7 @@ class Checkpointing:
                 "consumed": consumed, "batch_size": c.batch_size,
                 "global_batch": t.harness.dims.dp * c.batch_size * t.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
-                "run_config": t.run_config,
+                "run_config": t.run_config, "tracking": t.tracking,
                 "remote": {name: m.tier_state() for name, m in remote_modules(t.module).items()}}
         path = self.store.save(t.global_step, shared, own, meta)
         self.saved_step = t.global_step
@@ -162,6 +167,7 @@ class Checkpointing:
             rng.restore(states[0])
         self._restore_comm(own, meta)
         t.global_step, t.epoch = meta["global_step"], meta["epoch"]
+        t.tracking = dict(meta.get("tracking") or {})  # the MLflow run to continue
         self.saved_step = t.global_step
         self._keep_global_batch(meta)
         writes = (f"new checkpoints go to {self.store.root}" if t.checkpointing is self

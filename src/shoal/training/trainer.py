@@ -130,6 +130,8 @@ class Trainer:
         self._preemption: PreemptionWatch | None = None
         self._metrics: StepMetrics | None = None
         self.run_config: dict | None = None  # the resolved run config, kept in checkpoints
+        # The MLflow run's id, kept in checkpoints: a resumed run logs into the same run.
+        self.tracking: dict[str, str] = {}
         self.checkpointing = Checkpointing(
             self, c.checkpoint_dir, c.checkpoint_every, c.keep_last, c.async_checkpoint,
             c.checkpoint_every_seconds) if c.checkpoint_dir else None
@@ -178,8 +180,13 @@ class Trainer:
         self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size,
                                     self.flops_per_token, c.precision,
                                     start_step=self.global_step,
-                                    resumed=bool(c.resume) and self.global_step > 0) \
+                                    resumed=bool(c.resume) and self.global_step > 0,
+                                    params=self.run_config or {"trainer": c.model_dump(
+                                        mode="json")},
+                                    tracking=self.tracking) \
             if c.metrics.enabled else None
+        if self.checkpointing and self._metrics:
+            self.checkpointing.before_save = self._metrics.sync
         try:
             if self._preemption:
                 self._preemption.start()
@@ -202,8 +209,9 @@ class Trainer:
                 else:  # stopped by max_steps inside the epoch: it goes on from here
                     consumed = self._position or 0
                     break
+            result = {**metrics, "global_step": self.global_step}
             if self._metrics:
-                self._metrics.finish(show_summary=c.progress)
+                self._metrics.finish(show_summary=c.progress, result=result)
                 self._metrics.record("event", self.global_step, kind="end")
         finally:
             progress.close()
@@ -215,7 +223,7 @@ class Trainer:
             if self.checkpointing.saved_step != self.global_step:
                 self.checkpointing.save(consumed)
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
-        return {**metrics, "global_step": self.global_step}
+        return result
 
     def _finished(self, epochs: int | None, max_steps: int | None,
                   epoch: int | None = None) -> bool:
@@ -291,6 +299,7 @@ class Trainer:
                                    self.optimizer.param_groups[0]["lr"],
                                    step_loss / (position + 1), h.last_grad_norm,
                                    step_samples, step_tokens, h.last_comm)
+            self._checkpoint_step(self._position)
             if progress.wants_update():
                 rate = samples * h.dims.dp / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
@@ -367,6 +376,11 @@ class Trainer:
         self.global_step += 1
         heartbeat(self.global_step)
         self._position = consumed
+
+    def _checkpoint_step(self, consumed: int | None) -> None:
+        """After the step's metrics are recorded: a checkpoint when one is due (the figures
+        of its steps are written first: a run killed after it loses none), and the stop a
+        preemption signal asks for."""
         if self.checkpointing:
             self.checkpointing.after_step(consumed)
             if self._preemption:
@@ -375,13 +389,15 @@ class Trainer:
                     self.checkpointing.save(consumed)
                 if signum:
                     self._stop_for(signum, consumed)
+            if self._metrics:
+                self._metrics.clock.skip()  # a save's time is the next step's 'other'
 
     def _stop_for(self, signum: int, consumed: int | None) -> None:
         """Every rank is here at the same step: save, then exit with 128 + signal."""
         if self.checkpointing.saved_step != self.global_step:
             self.checkpointing.save(consumed)
         self.checkpointing.store.wait()
-        if self._metrics:  # the last steps' figures are written too
+        if self._metrics:  # the end-of-run table of this part of the run, in MLflow too
             self._metrics.finish(show_summary=False)
         name = signal.Signals(signum).name
         if self.harness.is_main:
