@@ -144,16 +144,17 @@ def forward(model: nn.Module, batch: Any) -> tuple[Any, Any]:
 
 
 def loss_of(model: nn.Module, batch: Any, loss_fn: LossFn | None,
-            step_fn: StepFn | None) -> tuple[torch.Tensor, Any]:
-    """The batch's mean loss, and the model's outputs (None under ``step_fn``)."""
+            step_fn: StepFn | None) -> torch.Tensor:
+    """The batch's mean loss: ``step_fn``'s, else the model called as the batch's structure
+    says and ``loss_fn``, cross-entropy (pairs) or the model's own loss."""
     if step_fn is not None:
-        return step_fn(model, batch), None
+        return step_fn(model, batch)
     outputs, target = forward(model, batch)
     if loss_fn is not None:
-        return loss_fn(outputs, target), outputs
+        return loss_fn(outputs, target)
     if is_pair(batch) and isinstance(outputs, torch.Tensor):
-        return F.cross_entropy(outputs, target), outputs
-    return model_loss(outputs), outputs
+        return F.cross_entropy(outputs, target)
+    return model_loss(outputs)
 
 
 def check_loss_functions(loss_fn: Any, step_fn: Any) -> None:

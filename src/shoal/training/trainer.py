@@ -276,7 +276,7 @@ class Trainer:
             else:
                 with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
                     with h.autocast():
-                        loss, _ = loss_of(model, batch, self.loss_fn, self.step_fn)
+                        loss = loss_of(model, batch, self.loss_fn, self.step_fn)
                     h.backward(self._scaled(loss, window, window_samples, n))
             if clock:
                 clock.lap("forward_backward")
@@ -446,7 +446,7 @@ class Trainer:
                     else module(inputs)
         else:
             with h.autocast():
-                return loss_of(module, batch, self.loss_fn, self.step_fn)[0], None
+                return loss_of(module, batch, self.loss_fn, self.step_fn), None
         if outputs is None:
             return None, None
         if not isinstance(outputs, torch.Tensor):  # the model's own structure
