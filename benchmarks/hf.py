@@ -3,7 +3,7 @@ Trainer: step time side by side.
 
 The model is transformers' GPT2LMHeadModel built from a config of about the size of
 ``shoal.examples.gpt`` (vocab 256, 128 positions, 4 layers of width 128 with 4 heads:
-0.87 M parameters, random weights, nothing downloaded), trained on the byte-level standard
+0.84 M parameters, random weights, nothing downloaded), trained on the byte-level standard
 library text (``shoal.data.text``, ``causal_lm`` windows of 128 tokens) with AdamW, the
 model computing its own loss. Each run is a fresh job of ``--nproc`` processes (gloo on
 CPU; ``shoal.spawn``) that trains ``--steps`` optimizer steps of ``--batch-size`` windows
@@ -120,7 +120,7 @@ def main() -> None:
             ranks = shoal.spawn(run, nprocs=args.nproc, args=(name, args.steps, args.batch_size))
             results[name].append(max(ranks))
     base = results["hand-written"]
-    print(f"hf: transformers GPT-2 (0.87 M parameters, 128 tokens), AdamW, {args.nproc} "
+    print(f"hf: transformers GPT-2 (0.84 M parameters, 128 tokens), AdamW, {args.nproc} "
           f"processes (gloo), batch {args.batch_size}/process, {args.steps} steps, "
           f"{args.repeats} interleaved rounds; medians")
     print(f"{'framework':<13} {'step ms':>8} {'vs hand-written':>16}")
