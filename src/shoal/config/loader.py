@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from shoal.config.schema import BuilderConfig, RLRunConfig, RunConfig
+from shoal.config.schema import BuilderConfig, ModelConfig, RLRunConfig, RunConfig
 from shoal.errors import UsageError, usage_error
 from shoal.imports import default_code_paths, import_builder, use_code_paths
 
@@ -55,7 +55,7 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def _check_builder(section: str, spec: BuilderConfig) -> None:
+def _check_builder(section: str, spec: BuilderConfig | ModelConfig) -> None:
     fn = import_builder(spec.builder, f"{section}.builder")
     try:
         signature = inspect.signature(fn)
@@ -129,7 +129,7 @@ def validate_run_tree(tree: dict[str, Any], name: str, overrides: list[str] = ()
         return config
     for section in ("model", "data", "optimizer", "lr_scheduler", "loss"):
         spec = getattr(config, section)
-        if spec is not None:
+        if spec is not None and spec.builder is not None:  # not a transformers model
             _check_builder(section, spec)
     if config.remote_hardware is not None:
         import_builder(config.remote_hardware.tier_plugin, "remote_hardware.tier_plugin")
@@ -170,6 +170,10 @@ def save_run_config(config: RunConfig | RLRunConfig) -> Path:
     return target
 
 
-def build(spec: BuilderConfig, *leading: Any) -> Any:
-    """Call the builder named in ``spec`` with its args."""
+def build(spec: BuilderConfig | ModelConfig, *leading: Any) -> Any:
+    """Call the builder named in ``spec`` with its args (or build its transformers model)."""
+    if getattr(spec, "hf", None) is not None:
+        from shoal.models.hf import build_model
+
+        return build_model(spec.hf)
     return import_builder(spec.builder, "builder")(*leading, **spec.args)

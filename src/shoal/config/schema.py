@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shoal.models.hf import HFModelConfig
 from shoal.remote.tier import RemoteConfig, splits_parameters
 from shoal.rl.config import PPOConfig
 from shoal.training.config import TrainerConfig
@@ -24,10 +25,44 @@ class BuilderConfig(BaseModel):
     @field_validator("builder")
     @classmethod
     def _import_path(cls, value: str) -> str:
-        module, sep, attr = value.partition(":")
-        if not sep or not module or not attr:
-            raise ValueError("must look like 'package.module:function'")
-        return value
+        return _import_path(value)
+
+
+def _import_path(value: str | None) -> str | None:
+    module, sep, attr = (value or "").partition(":")
+    if value is not None and (not sep or not module or not attr):
+        raise ValueError("must look like 'package.module:function'")
+    return value
+
+
+class ModelConfig(BaseModel):
+    """The model: built by a function named by import path, or a transformers model class
+    built from its config."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    builder: str | None = None
+    """Import path 'package.module:function' of a function (or class) returning the
+    nn.Module."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the builder."""
+    hf: HFModelConfig | None = None
+    """Instead of a builder: a transformers model class and its config arguments, e.g.
+    {class: GPT2LMHeadModel, config: {n_layer: 2, n_embd: 64, n_head: 2}} (needs
+    shoal[hf])."""
+
+    @field_validator("builder")
+    @classmethod
+    def _import_path(cls, value: str | None) -> str | None:
+        return _import_path(value)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.builder is None) == (self.hf is None):
+            raise ValueError("give either builder (with args) or hf, not both or neither")
+        if self.hf is not None and self.args:
+            raise ValueError("args go with builder; a transformers model takes hf.config")
+        return self
 
 
 class RunSection(BaseModel):
@@ -51,8 +86,8 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model: BuilderConfig
-    """Builds the nn.Module."""
+    model: ModelConfig
+    """Builds the nn.Module: a builder, or a transformers class (``hf``)."""
     data: BuilderConfig
     """Returns (train, val) datasets or loaders, or just train."""
     optimizer: BuilderConfig
@@ -60,7 +95,8 @@ class RunConfig(BaseModel):
     lr_scheduler: BuilderConfig | None = None
     """Called as builder(optimizer, **args); stepped after each optimizer step."""
     loss: BuilderConfig | None = None
-    """Returns loss_fn(outputs, targets); default cross-entropy."""
+    """Returns loss_fn(outputs, targets): targets of (inputs, targets) batches, the whole
+    batch otherwise. Default: cross-entropy for pairs, the model's own loss otherwise."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """Trainer settings (see shoal.TrainerConfig)."""
     run: RunSection = Field(default_factory=RunSection)

@@ -65,35 +65,42 @@ def load_stdlib_corpus(max_bytes: int | None = 4_000_000) -> TextCorpus:
 class TokenWindows(Dataset):
     """Windows of ``seq_len`` tokens and the same window shifted by one (the targets).
 
-    Holds a view of the corpus, not a copy; windows are cut when indexed.
+    With ``causal_lm``, a window is ``{"input_ids": w, "labels": w}`` instead, as a
+    transformers causal LM takes it (it shifts the labels itself). Holds a view of the
+    corpus, not a copy; windows are cut when indexed.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, stride: int, start: int = 0):
+    def __init__(self, tokens: torch.Tensor, seq_len: int, stride: int, start: int = 0,
+                 causal_lm: bool = False):
         self.tokens = tokens
         self.seq_len = seq_len
         self.stride = stride
         self.start = start
         """Position of ``tokens[0]`` in the whole corpus."""
+        self.causal_lm = causal_lm
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - self.seq_len - 1) // self.stride + 1)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | dict:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} of {len(self)}")
         begin = index * self.stride
         chunk = self.tokens[begin:begin + self.seq_len + 1].long()
+        if self.causal_lm:
+            return {"input_ids": chunk[:-1], "labels": chunk[:-1]}
         return chunk[:-1], chunk[1:]
 
 
 def build_data(seq_len: int = 128, max_bytes: int | None = 4_000_000,
-               val_fraction: float = 0.1, stride: int | None = None
-               ) -> tuple[TokenWindows, TokenWindows]:
+               val_fraction: float = 0.1, stride: int | None = None,
+               causal_lm: bool = False) -> tuple[TokenWindows, TokenWindows]:
     """Train and validation windows of the standard library's source.
 
     Validation is the last ``val_fraction`` of the corpus, so no window of one split shares
     a byte with the other. ``stride`` (default ``seq_len``: windows do not overlap) is the
-    step between window starts.
+    step between window starts. ``causal_lm``: windows as ``{"input_ids", "labels"}``, for
+    a transformers causal LM (see ``TokenWindows``).
     """
     if seq_len <= 0 or (stride is not None and stride <= 0):
         raise ValueError(f"seq_len ({seq_len}) and stride ({stride}) must be positive")
@@ -102,8 +109,9 @@ def build_data(seq_len: int = 128, max_bytes: int | None = 4_000_000,
     corpus = load_stdlib_corpus(max_bytes)
     tokens = corpus.tokens
     split = len(tokens) - int(len(tokens) * val_fraction)
-    train = TokenWindows(tokens[:split], seq_len, stride or seq_len)
-    val = TokenWindows(tokens[split:], seq_len, stride or seq_len, start=split)
+    train = TokenWindows(tokens[:split], seq_len, stride or seq_len, causal_lm=causal_lm)
+    val = TokenWindows(tokens[split:], seq_len, stride or seq_len, start=split,
+                       causal_lm=causal_lm)
     if len(train) == 0 or len(val) == 0:
         raise ValueError(f"the corpus ({corpus.describe()}) is too small for one window of "
                          f"{seq_len + 1} bytes in both splits (val_fraction {val_fraction}): "

@@ -8,8 +8,12 @@ from shoal.errors import UsageError
 
 
 def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[nn.Module]:
-    """The modules of class ``class_names`` in forward order; by default the children of the
-    model's ``blocks`` ModuleList (as in shoal.examples.gpt), or none when it has none."""
+    """The modules of class ``class_names`` in forward order. By default, the first that
+    exists of: the children of the model's ``blocks`` ModuleList (as in shoal.examples.gpt);
+    the modules of the classes the model names in ``_no_split_modules`` (a transformers
+    model's layer classes, e.g. GPT2Block, LlamaDecoderLayer) that repeat in a ModuleList;
+    the children of the model's longest ModuleList of one class (BERT's encoder layers);
+    none."""
     if class_names:
         found = [m for m in model.modules()
                  if m is not model and type(m).__name__ in class_names]
@@ -20,4 +24,14 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
                              f"{', '.join(classes[:16])}")
         return found
     blocks = getattr(model, "blocks", None)
-    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0
+             and len({type(child) for child in m}) == 1]
+    named = set(getattr(model, "_no_split_modules", None) or ())
+    # A class named there may also be a one-off (BERT names its embeddings): only those
+    # that repeat are the layers.
+    layers = [child for m in lists for child in m if type(child).__name__ in named]
+    if layers:
+        return layers
+    return list(max(lists, key=len)) if lists else []

@@ -61,7 +61,8 @@ class TrainerConfig(BaseModel):
     blocks: list[str] | None = None
     """Class names of the model's repeated blocks, the units of FSDP sharding and of
     activation checkpointing (e.g. ['Block']). Default: the children of the model's
-    ``blocks`` ModuleList, if it has one."""
+    ``blocks`` ModuleList; else a transformers model's layers (its ``_no_split_modules``
+    classes); else the children of its longest ModuleList of one class."""
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     """How 'ddp' sends gradients: none, fp16, bf16, powersgd or topk (see CompressionConfig)."""
     local_sgd: LocalSGDConfig = Field(default_factory=LocalSGDConfig)

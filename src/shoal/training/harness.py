@@ -4,9 +4,10 @@
     model, optimizer = harness.setup(model, optimizer)
     loader = harness.setup_dataloader(dataset, batch_size=32)
     for batch in loader:
+        batch = harness.to_device(batch)                 # any structure: pairs, dicts, ...
         with harness.no_sync(model, enabled=not last_micro_batch):
             with harness.autocast():
-                loss = loss_fn(model(x), y)
+                loss = model(**batch).loss               # or loss_fn(model(x), y)
             harness.backward(loss)
         harness.step(optimizer, clip_grad_norm=1.0)
 """
@@ -58,6 +59,7 @@ from shoal.parallel.topology import ParallelDims
 from shoal.parallel.traffic import StepComm, Traffic
 from shoal.parallel.zero import ZeroTraffic, apply_zero1
 from shoal.runtime import dist as rt
+from shoal.training.batches import leaves, move_to_device
 from shoal.training.precision import Precision
 
 
@@ -66,17 +68,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) tuple, list or dict to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: move_to_device(v, device) for k, v in batch.items()}
-    return batch
 
 
 def _on_cpu(data: Dataset | DataLoader) -> bool:
@@ -89,8 +80,7 @@ def _on_cpu(data: Dataset | DataLoader) -> bool:
         sample = dataset[0]
     except Exception:  # noqa: BLE001 - an empty or odd dataset: no pinning, no judgment
         return False
-    tensors = sample if isinstance(sample, (list, tuple)) else [sample]
-    return all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
+    return all(t.device.type == "cpu" for t in leaves(sample) if isinstance(t, torch.Tensor))
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:
@@ -332,6 +322,8 @@ class Harness:
         return loader
 
     def to_device(self, batch: Any) -> Any:
+        """``batch`` on this rank's device, whatever its structure (pairs, tuples, dicts,
+        dataclasses, nested; see ``shoal.training.batches``)."""
         return move_to_device(batch, self.device)
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -6,7 +6,6 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,16 @@ from shoal.remote.module import remote_modules
 # layers: up to remote/, as above: the layouts that would split a RemoteModule are remote's rule
 from shoal.remote.tier import splits_parameters
 from shoal.runtime.heartbeat import heartbeat
+from shoal.training.batches import (
+    LossFn,
+    StepFn,
+    check_loss_functions,
+    is_pair,
+    loss_of,
+    model_loss,
+    samples_in,
+    tokens_in,
+)
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness, seed_everything
@@ -40,19 +49,14 @@ from shoal.training.preemption import PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-
-def _unpack(batch: Any) -> tuple[Any, Any]:
-    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+def _pair(batch: Any) -> tuple[Any, Any]:
+    """A pipeline's batch: its stages pass one tensor along and the last compares it with
+    the targets, so batches must be (inputs, targets)."""
+    if is_pair(batch):
         return batch[0], batch[1]
-    raise UsageError("the Trainer expects batches of (inputs, targets); "
-                     f"got {type(batch).__name__}")
-
-
-def _batch_len(batch: Any) -> int:
-    inputs = batch[0]
-    return inputs.shape[0] if isinstance(inputs, torch.Tensor) else len(inputs)
+    raise UsageError("with pipeline parallelism batches must be (inputs, targets) pairs; got "
+                     f"{type(batch).__name__}")
 
 
 def _all_gather_flags(flag: bool) -> list[bool]:
@@ -61,14 +65,6 @@ def _all_gather_flags(flag: bool) -> list[bool]:
     flags: list[bool] = [False] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(flags, flag)
     return flags
-
-
-def _tokens(inputs: Any) -> int:
-    """Tokens in a batch of token ids (an integer tensor with a sequence dimension)."""
-    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and not (
-            inputs.is_floating_point() or inputs.is_complex()):
-        return inputs.numel()
-    return 0
 
 
 def _rescale_gradients(model: nn.Module, factor: float) -> None:
@@ -82,17 +78,25 @@ class Trainer:
 
     Settings are the fields of ``TrainerConfig`` (strategy, precision, batch_size,
     accumulate_grad_batches, clip_grad_norm, epochs, max_steps, seed, ...).
-    ``loss_fn(outputs, targets)`` must average over the batch; it defaults to cross-entropy.
+    Batches may be ``(inputs, targets)`` pairs, mappings (``model(**batch)``), dataclasses,
+    ... (see ``shoal.training.batches``). The loss is ``loss_fn(outputs, targets)`` for a
+    pair (default cross-entropy), ``loss_fn(outputs, batch)`` for any other batch (default:
+    the model's own ``outputs.loss``), or ``step_fn(model, batch)`` instead of both; it
+    must average over the batch.
     ``lr_scheduler`` is a scheduler, or a function of the optimizer returning one; it is
     stepped after every optimizer step. ``tp_plan`` (module-name pattern -> torch
     ParallelStyle) replaces the ready tensor-parallel plan when ``parallel.tp`` > 1.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 loss_fn: LossFn | None = None, lr_scheduler: Any = None,
-                 tp_plan: dict | None = None, **settings: Any):
+                 loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
+                 lr_scheduler: Any = None, tp_plan: dict | None = None, **settings: Any):
         self.config = TrainerConfig.build(**settings)
         c = self.config
+        check_loss_functions(loss_fn, step_fn)
+        if step_fn is not None and c.parallel.pp_enabled:
+            raise UsageError("pipeline parallelism computes the loss on the last stage from "
+                             "loss_fn(outputs, targets); step_fn cannot run there")
         why = splits_parameters(c.strategy, c.parallel.tp, c.parallel.pp)
         if why and remote_modules(model):
             raise UsageError(f"the model has a RemoteModule: {why}")
@@ -110,8 +114,10 @@ class Trainer:
         # Asked of the whole model, before a strategy splits or wraps it.
         flops = getattr(model, "flops_per_token", None)
         self.flops_per_token: float | None = flops() if callable(flops) else flops
-        self.loss_fn = loss_fn or F.cross_entropy
-        self.model, self.optimizer = self.harness.setup(model, optimizer, self.loss_fn)
+        self.loss_fn, self.step_fn = loss_fn, step_fn
+        # A pipeline's last stage needs a loss of (outputs, targets) from the start.
+        self.model, self.optimizer = self.harness.setup(model, optimizer,
+                                                        loss_fn or F.cross_entropy)
         self.pipeline = isinstance(self.model, PipelineModel)
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
@@ -269,25 +275,27 @@ class Trainer:
             if position == 0:  # the window's global sample count, once per window
                 window_samples = samples_between(loader, i, i + window)
                 step_loss, step_samples, step_tokens = 0, 0, 0
-            inputs, targets = _unpack(h.to_device(batch))
+            batch = h.to_device(batch)
+            n = samples_in(batch)
             if self.pipeline:  # forward and backward through every stage in one call
+                inputs, targets = _pair(batch)
                 loss = h.pipeline_step(model, inputs, targets,
-                                       scale=self._weight(window, window_samples, batch))
+                                       scale=self._weight(window, window_samples, n))
             else:
                 with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
                     with h.autocast():
-                        loss = self.loss_fn(model(inputs), targets)
-                    h.backward(self._scaled(loss, window, window_samples, batch))
+                        loss = loss_of(model, batch, self.loss_fn, self.step_fn)
+                    h.backward(self._scaled(loss, window, window_samples, n))
             if clock:
                 clock.lap("forward_backward")
             loss_sum += loss.detach()
             micro_batches += 1
-            samples += _batch_len(batch)
+            samples += n
             if self._metrics:
                 step_loss = step_loss + loss.detach()
                 if counts:
-                    step_samples += _batch_len(batch)
-                    step_tokens += _tokens(inputs)
+                    step_samples += n
+                    step_tokens += tokens_in(batch)
             if not step_now:
                 continue
             if length is None and position + 1 < k:
@@ -340,21 +348,22 @@ class Trainer:
                   file=sys.stderr, flush=True)
 
     def _scaled(self, loss: torch.Tensor, window: int, total: int | None,
-                batch: Any) -> torch.Tensor:
+                samples: int) -> torch.Tensor:
         """The loss to back-propagate so that the window's gradient is its global mean.
 
         DDP averages over ranks, so with equal shares dividing by the window length is
         exact. A short final global batch gives ranks unequal shares: each rank's loss then
         counts by its share of the window's ``total`` samples (None: unknown, assume equal).
         """
-        weight = self._weight(window, total, batch)
+        weight = self._weight(window, total, samples)
         if weight == 1 / window:  # equal shares: divided, as one process would
             return loss / window if window > 1 else loss
         return loss * weight
 
-    def _weight(self, window: int, total: int | None, batch: Any) -> float:
-        """``_scaled``'s factor (a pipeline applies it itself)."""
-        share = _batch_len(batch) * self.harness.dims.dp
+    def _weight(self, window: int, total: int | None, samples: int) -> float:
+        """``_scaled``'s factor for a micro-batch of ``samples`` (a pipeline applies it
+        itself)."""
+        share = samples * self.harness.dims.dp
         return 1 / window if total is None or share * window == total else share / total
 
     def _optimizer_step(self, consumed: int | None, loss: torch.Tensor | None = None) -> None:
@@ -420,21 +429,17 @@ class Trainer:
         batches = lockstep_batches(loader, h.device) if h.sharded else ((b, True) for b in loader)
         for batch, counts in batches:
             heartbeat(self.global_step)  # a long validation is progress too
-            inputs, targets = _unpack(h.to_device(batch))
-            n = targets.shape[0]
-            with h.autocast():
-                if self.pipeline:  # outputs on the last stage only
-                    outputs = self.model.evaluate(inputs, targets)
-                else:
-                    outputs = module(inputs)
-            if not counts or outputs is None:
+            batch = h.to_device(batch)
+            loss, correct = self._evaluate(module, batch)
+            if not counts or loss is None:
                 continue
-            totals[0] += self.loss_fn(outputs.float(), targets).double() * n
+            n = samples_in(batch)
+            totals[0] += loss.double() * n
             totals[2] += n
-            if outputs.dim() == 2 and not targets.is_floating_point():
-                totals[1] += (outputs.argmax(dim=1) == targets).sum()
-            else:
+            if correct is None:
                 totals[3] += 1
+            else:
+                totals[1] += correct
         module.train(was_training)
         if h.world_size > 1:
             torch.distributed.all_reduce(totals)
@@ -444,6 +449,28 @@ class Trainer:
         if classify:
             result["val_accuracy"] = (totals[1] / count).item()
         return result
+
+    def _evaluate(self, module: nn.Module, batch: Any
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A validation batch's mean loss (None on a pipeline stage without outputs) and,
+        for class targets, its number of correct predictions."""
+        h = self.harness
+        if self.pipeline or (is_pair(batch) and self.step_fn is None):
+            inputs, targets = _pair(batch)
+            with h.autocast():
+                outputs = self.model.evaluate(inputs, targets) if self.pipeline \
+                    else module(inputs)
+        else:
+            with h.autocast():
+                return loss_of(module, batch, self.loss_fn, self.step_fn), None
+        if outputs is None:
+            return None, None
+        if not isinstance(outputs, torch.Tensor):  # the model's own structure
+            return (self.loss_fn(outputs, targets) if self.loss_fn else model_loss(outputs)), None
+        loss = (self.loss_fn or F.cross_entropy)(outputs.float(), targets)
+        if outputs.dim() == 2 and not targets.is_floating_point():
+            return loss, (outputs.argmax(dim=1) == targets).sum()
+        return loss, None
 
     def _report_epoch(self, metrics: dict[str, float], progress: Progress) -> None:
         if not progress.enabled:

@@ -1,0 +1,1 @@
+"""Models from other libraries, each met in one adapter module (``hf``: transformers)."""
