@@ -21,6 +21,7 @@ from shoal.cli.run import (
     spec_from_args,
     start,
 )
+from shoal.errors import UsageError
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -65,7 +66,11 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
         args.log_dir = str(Path(config.run.dir) / "logs")
     cluster = detect_cluster(args)
     spec = spec_from_args(args, entry, [], module=True,
-                          nproc_default=config.run.nproc_per_node, cluster=cluster)
+                          nproc_default=config.run.nproc_per_node, cluster=cluster,
+                          fault_tolerance=None if rl else config.trainer.fault_tolerance)
+    if rl and spec.fault_tolerance.live:
+        raise UsageError("live mode (--replica-groups) trains Trainer runs; an rl: run "
+                         "recovers by restart (--max-restarts)")
     # Where the scheduler started every worker (srun -n 8, mpirun), this process is one rank.
     in_place = cluster is not None and cluster.per_process
     world = cluster.world_size if in_place else spec.world_size
@@ -92,7 +97,7 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
     resolved = save_run_config(config) if first else None
     metrics_dir = (config.rl.metrics if rl else config.trainer.metrics).dir or config.run.dir
     with serve_during(args, metrics_dir if first else None):
-        if spec.world_size == 1 and not in_place:
+        if spec.world_size == 1 and not in_place and not spec.fault_tolerance.live:
             announce(spec, cluster)
             importlib.import_module(entry).train_from_config(config)
             return 0
