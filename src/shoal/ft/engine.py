@@ -115,6 +115,11 @@ class Replica:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
 
+    @property
+    def step(self) -> int:
+        """Steps committed (the same in every group of a quorum)."""
+        return self._manager.current_step()
+
     def commit(self) -> bool:
         """Whether every group of the step may apply it: nothing failed, and under 'exact'
         every group took part (the manager's minimum replica count)."""

@@ -81,6 +81,12 @@ class LiveSession:
             return
         self._started = time.monotonic()
         self._quorum = self.replica.quorum()
+        # A job starts whole: the first step waits for every group, also under 'available'
+        # (whose lighthouse forms a quorum of whoever is there).
+        while (self.replica.step == 0 and not self._quorum.healed
+               and self._quorum.participants < self.place.groups):
+            time.sleep(0.05)
+            self._quorum = self.replica.quorum()
         if self._quorum.healed:
             took = time.monotonic() - self._started
             self.healed.append({"step": self._received_step, "bytes": self._received,

@@ -87,8 +87,21 @@ def launch_groups(spec: LaunchSpec) -> int:
 def _wait(children: list[subprocess.Popen], config: FaultToleranceConfig,
           stopping: list[int]) -> int:
     lost: dict[int, int] = {}
+    finished_at: float | None = None
     while True:
         codes = [child.poll() for child in children]
+        if finished_at is None and 0 in codes:
+            finished_at = time.monotonic()
+        if (config.policy == "available" and finished_at is not None
+                and time.monotonic() - finished_at > 2 * config.step_timeout_s):
+            # The job's steps are done; a replacement that had not rejoined has none left.
+            for group, child in enumerate(children):
+                if child.poll() is None:
+                    _say(f"replica group {group} had not rejoined when the others finished: "
+                         "stopped")
+                    child.terminate()
+                    child.wait()
+            codes = [0 if code is None else code for code in codes]
         for group, code in enumerate(codes):
             if code not in (None, 0) and group not in lost:
                 lost[group] = code
