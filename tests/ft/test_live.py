@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,13 @@ def _pids(out: Path) -> list[str]:
     return sorted(p.name for p in out.glob("pid.*"))
 
 
+def _equals_ddp(live: Path, reference: Path) -> bool:
+    return all(states_equal(_final(live, group)["model"], _final(reference, 0, group)["model"])
+               and states_equal(_final(live, group)["optimizer"],
+                                _final(reference, 0, group)["optimizer"])
+               for group in (0, 1))
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     """Today's 2-process DDP run without failures, started at once and waited for when
@@ -67,21 +77,29 @@ def ddp_run(tmp_path_factory):
 
 
 def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
-    """A group SIGKILLed mid-step: the other one is never restarted and waits in memory, the
-    replacement heals from it, the interrupted step is done again, and both end bitwise
+    """The lighthouse SIGKILLed at step 3: the launcher starts it again on the same address.
+    Then a group SIGKILLed mid-step: the other one is never restarted and waits in memory,
+    the replacement heals from it, the interrupted step is done again, and both end bitwise
     equal to today's 2-process DDP run without failures."""
     live = tmp_path / "live"
-    output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "1",
-                                job=("--kill", "1:6")))
+    process = _shoal_run(live, "--replica-groups", "2", "--max-restarts", "1",
+                         job=("--hold", "3", "--kill", "1:6"))
+    first = process.stdout.readline()
+    lighthouse = int(re.search(r"\(pid (\d+)\)", first).group(1))
+    deadline = time.monotonic() + 200
+    while not (live / "held").exists():
+        assert process.poll() is None and time.monotonic() < deadline, first
+        time.sleep(0.1)
+    os.kill(lighthouse, signal.SIGKILL)
+    time.sleep(1.0)
+    (live / "go").write_text("")
+    output = first + _finish(process)
+    assert f"the lighthouse (pid {lighthouse}) ended with code -9: started again" in output
     assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]  # 0 not restarted
     assert "replica group 0: step 7 did not commit" in output
     assert "replica group 1: healed from a live group at step 6" in output
-    reference = ddp_run()
-    for group in (0, 1):
-        live_state, ddp_state = _final(live, group), _final(reference, 0, group)
-        assert live_state["step"] == STEPS
-        assert states_equal(live_state["model"], ddp_state["model"])
-        assert states_equal(live_state["optimizer"], ddp_state["optimizer"])
+    assert all(_final(live, group)["step"] == STEPS for group in (0, 1))
+    assert _equals_ddp(live, ddp_run())
 
 
 def _val_loss(model_state: dict) -> float:
@@ -118,3 +136,16 @@ def test_available_goes_on_without_the_killed_group(tmp_path, ddp_run):
     assert states_equal(final[0]["model"], final[1]["model"])  # one model again
     ours, reference = _val_loss(final[0]["model"]), _val_loss(_final(ddp_run(), 0)["model"])
     assert abs(ours - reference) <= AVAILABLE_TOLERANCE * reference
+
+
+def test_exact_without_a_replacement_falls_back_to_restart(tmp_path, ddp_run):
+    """Policy exact, and the killed group has no restart left: one line says the job falls
+    back to today's restart; every group starts again from the last checkpoint, and the
+    run still ends bitwise equal to the run without failures."""
+    live = tmp_path / "live"
+    output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "0",
+                                job=("--kill", "1:6", "--checkpoints", str(tmp_path / "ckpt"))))
+    assert output.count("falling back to a restart of every group from the last "
+                        "checkpoint (policy exact)") == 1
+    assert "replica group 1 did not come back (exit code" in output
+    assert _equals_ddp(live, ddp_run())

@@ -16,12 +16,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shoal.errors import UsageError
 from shoal.ft.config import FaultToleranceConfig, ReplicaPlace
+
+if TYPE_CHECKING:
+    import torch
 
 _MISSING = "live recovery needs torchft: pip install shoal[ft]"
 
@@ -41,20 +42,42 @@ def _torchft() -> Any:
 
 def check_available() -> None:
     """Refuse at the edge, in one line, when torchft is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchft") is None:
+    if _find_torchft() is None:
         raise UsageError(_MISSING)
 
 
-def serve_lighthouse(bind: str, min_replicas: int, config: FaultToleranceConfig) -> Any:
-    """Start torchft's lighthouse in this process; returns the server (``shutdown()``)."""
-    from torchft._torchft import LighthouseServer
+def _find_torchft() -> Any:
+    """torchft's package spec, without running the package (which imports torch)."""
+    import importlib.util
 
-    _torchft()
-    return LighthouseServer(bind=bind, min_replicas=min_replicas,
-                            join_timeout_ms=config.join_timeout_ms, quorum_tick_ms=20,
-                            heartbeat_timeout_ms=config.heartbeat_timeout_ms)
+    try:
+        return importlib.util.find_spec("torchft")
+    except ValueError:  # in sys.modules as None: taken away on purpose
+        return None
+
+
+def serve_lighthouse(bind: str, min_replicas: int, config: FaultToleranceConfig) -> Any:
+    """Start torchft's lighthouse in this process; returns the server (``shutdown()``).
+
+    Only torchft's compiled extension is loaded, not its package (which imports torch): the
+    daemon is up in well under a second, also when the launcher starts it again."""
+    import importlib.util
+    from pathlib import Path
+
+    found = _find_torchft()
+    if found is None or not found.submodule_search_locations:
+        raise UsageError(_MISSING)
+    folder = Path(next(iter(found.submodule_search_locations)))
+    library = next(folder.glob("_torchft*.so"), None)
+    if library is None:
+        raise UsageError(f"torchft in {folder} has no compiled extension: {_MISSING}")
+    spec = importlib.util.spec_from_file_location("torchft._torchft", library)
+    extension = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extension)
+    return extension.LighthouseServer(bind=bind, min_replicas=min_replicas,
+                                      join_timeout_ms=config.join_timeout_ms,
+                                      quorum_tick_ms=20,
+                                      heartbeat_timeout_ms=config.heartbeat_timeout_ms)
 
 
 @dataclass(frozen=True)
@@ -91,7 +114,10 @@ class Replica:
                                      else c.step_timeout_s),
             connect_timeout=step, rank=group_rank, world_size=group_size,
             lighthouse_addr=place.lighthouse, replica_id=f"shoal_group_{place.group}",
-            hostname=place.host, heartbeat_interval=timedelta(milliseconds=100), init_sync=True)
+            hostname=place.host, heartbeat_interval=timedelta(milliseconds=100), init_sync=True,
+            # The ManagerServer asks the lighthouse again (with backoff) when a request
+            # fails: a lighthouse the launcher starts again is back within a second.
+            quorum_retries=20)
 
     def _loaded(self, state: dict) -> None:
         self._load(state)
@@ -100,7 +126,13 @@ class Replica:
     def quorum(self) -> Quorum:
         """Meet the other groups for a step; a group behind heals here, before the step."""
         self._healed = False
-        self._manager.start_quorum()
+        try:
+            self._manager.start_quorum()
+        except Exception:
+            # torchft 0.2.0 keeps the failed quorum's future, and the next start_quorum
+            # would raise its error again: drop it, so that a later try starts afresh.
+            self._manager._quorum_future = None
+            raise
         return Quorum(participants=self._manager.num_participants(), healed=self._healed)
 
     def average(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -108,6 +140,8 @@ class Replica:
         a failure the step is marked as errored (``commit`` then says False)."""
         if not tensors:
             return
+        import torch
+
         flat = torch.cat([t.reshape(-1) for t in tensors])
         self._manager.allreduce(flat).wait()
         offset = 0

@@ -24,6 +24,11 @@ class Lighthouse:
     process: subprocess.Popen
     address: str
     """http://HOST:PORT, what the groups' managers connect to."""
+    command: list[str]
+    """How it was started (a lighthouse that died is started again the same way)."""
+
+    def restart(self) -> None:
+        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.process.poll() is None:
@@ -39,11 +44,10 @@ def start_lighthouse(host: str, port: int, min_replicas: int,
                      config: FaultToleranceConfig) -> Lighthouse:
     """Start the daemon; it listens on ``host:port`` as soon as its import is done (the
     groups' managers retry their first connection meanwhile)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "shoal.ft.lighthouse", "--bind", f"{host}:{port}",
-         "--min-replicas", str(min_replicas), "--config", config.model_dump_json()],
-        stdin=subprocess.DEVNULL)
-    return Lighthouse(process, f"http://{host}:{port}")
+    command = [sys.executable, "-m", "shoal.ft.lighthouse", "--bind", f"{host}:{port}",
+               "--min-replicas", str(min_replicas), "--config", config.model_dump_json()]
+    return Lighthouse(subprocess.Popen(command, stdin=subprocess.DEVNULL),
+                      f"http://{host}:{port}", command)
 
 
 def main() -> None:

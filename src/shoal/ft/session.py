@@ -19,6 +19,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shoal.ft.config import ReplicaPlace
+from shoal.ft.engine import Quorum
+
+
+class LiveError(RuntimeError):
+    """A live step cannot go on (no quorum in time): said in one line."""
 
 
 class Redo(Exception):
@@ -44,7 +49,7 @@ class LiveSession:
     def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None],
                  record: Callable[..., None] = lambda step, **fields: None):
-        from shoal.ft.engine import Replica
+        from shoal.ft.engine import Replica  # imports torchft: only in a live job
 
         self.place = place
         self.talks = group_rank == 0  # one line per group, not per rank
@@ -80,13 +85,13 @@ class LiveSession:
         if self._quorum is not None:
             return
         self._started = time.monotonic()
-        self._quorum = self.replica.quorum()
+        self._quorum = self._meet()
         # A job starts whole: the first step waits for every group, also under 'available'
         # (whose lighthouse forms a quorum of whoever is there).
         while (self.replica.step == 0 and not self._quorum.healed
                and self._quorum.participants < self.place.groups):
             time.sleep(0.05)
-            self._quorum = self.replica.quorum()
+            self._quorum = self._meet()
         if self._quorum.healed:
             took = time.monotonic() - self._started
             self.healed.append({"step": self._received_step, "bytes": self._received,
@@ -94,6 +99,24 @@ class LiveSession:
             self._say(f"healed from a live group at step {self._received_step} "
                       f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
             raise Redo()
+
+    def _meet(self) -> Quorum:
+        """The step's quorum, tried again until the policy's deadline (a lighthouse that
+        the launcher is starting again refuses connections meanwhile)."""
+        c = self.place.config
+        wait = c.replacement_timeout_s if c.policy == "exact" else c.step_timeout_s
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self.replica.quorum()
+            except Exception as exc:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
+                if time.monotonic() >= deadline:
+                    raise LiveError(
+                        f"replica group {self.place.group}: no quorum of the replica groups "
+                        f"within {wait:g} s ({str(exc).splitlines()[0][:200]}); this group "
+                        "stops (its agent restarts it, from the last checkpoint if there is "
+                        "one)") from None
+                time.sleep(0.2)
 
     def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int) -> bool:
         """Average ``grads`` over the groups of the step and vote; True: apply the step.

@@ -179,8 +179,10 @@ class Trainer:
                              "sampler) that shoal splits itself")
         consumed = 0
         if c.resume:  # a path without checkpoint_dir is read, and nothing is written
-            reader = self.checkpointing or Checkpointing(self, str(Path(c.resume).parent),
-                                                         every=None, keep_last=c.keep_last)
+            # (A live group other than 0 reads the checkpoints group 0 writes.)
+            directory = c.checkpoint_dir if c.resume == "auto" else str(Path(c.resume).parent)
+            reader = self.checkpointing or Checkpointing(self, directory, every=None,
+                                                         keep_last=c.keep_last)
             consumed = reader.resume(c.resume)
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.harness.is_main)
