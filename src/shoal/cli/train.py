@@ -125,7 +125,8 @@ def _resume_on_restart(config: Any, spec: Any, rl: bool, first: bool) -> list[st
     if section.resume is not None:
         return []
     if section.checkpoint_dir is None:
-        if first:
+        live = getattr(spec, "fault_tolerance", None)
+        if first and not (live and live.live):  # live: a restarted group heals instead
             print(f"shoal: warning: {why} without {name}.checkpoint_dir: a restarted worker "
                   f"starts the run over from step 0 (set {name}.checkpoint_dir and "
                   f"{name}.checkpoint_every to continue instead)", file=sys.stderr, flush=True)
