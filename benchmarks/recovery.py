@@ -1,17 +1,23 @@
 """Recovery and checkpoint-save figures, measured on this machine.
 
-1. Recovery: a 2-process job under `shoal run --max-restarts K` with checkpoints every step;
-   in each attempt, one rank (alternating) kills itself with SIGKILL a few steps after
-   resuming. Recovery time = from the kill to the first completed optimizer step after the
-   restart (detection, stopping the group, new processes, rendezvous, loading the
-   checkpoint, the step itself). Median over --kills kills (target <= 5 s).
+1. Recovery: one digits job on 2 data-parallel workers, with --kills SIGKILLs of a random
+   worker at random steps (seeded), run each way with the same kills: today's restart
+   (`shoal run --nproc-per-node 2 --max-restarts K`, a checkpoint every 50 steps), live exact and
+   live available (`--replica-groups 2`), and once without kills (2-process DDP, the
+   reference). Per mode: the survivors' pause per kill (to the other worker's next committed
+   step), the time until the replacement commits a step again, steps lost, restarts of
+   workers that were not killed, bitwise equality with the reference (not for 'available'),
+   goodput (committed steps per second against the same mode without kills), the mode's
+   step rate without kills against DDP's, and the bytes and time of each heal.
+   `--json FILE` writes them, one object per mode.
 2. Save: a model + AdamW state of --state-mb megabytes (>= 500), saved by one process:
    synchronous save time, asynchronous save's blocking time (target <= 10 % of the
    synchronous time; after a first save that allocates the reused copy buffers) and total
    time, and save throughput against the disk's raw write
    speed measured in the same run with dd (conv=fdatasync), --repeats times, medians.
 
-    python benchmarks/recovery.py [--kills 5] [--state-mb 540] [--repeats 3]
+    python benchmarks/recovery.py [--steps 12000] [--kills 6] [--seed 0] [--json FILE]
+                                  [--no-save] [--state-mb 540] [--repeats 3]
 """
 
 # ruff: noqa: E402
@@ -20,6 +26,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import json
+import random
 import shutil
 import signal
 import statistics
@@ -32,42 +40,150 @@ from pathlib import Path
 import torch
 from torch import nn
 
+MODES = ("restart", "live exact", "live available")
+CHECKPOINT_EVERY = 50  # today's restart: a checkpoint every 50 steps (about 0.4 s here)
 
-def job(out: Path, kills: int) -> None:
-    """The training job of part 1, run by `shoal run` (this file with --job)."""
+
+def job(out: Path, steps: int, schedule: list[tuple[int, int]], checkpoints: bool) -> None:
+    """The training job of part 1 (this file with --job): 2 data-parallel workers (2
+    processes, or 2 replica groups of 1). Each committed step is logged with its time and
+    pid; kill i (step, victim) SIGKILLs the victim (rank, or replica group) in the forward
+    pass after ``step``, once (a marker file remembers it), and not before kill i - 1's
+    replacement is back."""
     import shoal
     from shoal.examples.digits import build_data, build_model
 
     shoal.init("gloo")
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    slot = int(os.environ.get("SHOAL_FT_GROUP", shoal.rank()))
     model = build_model(hidden=256)
+    settings = {"checkpoint_dir": str(out / "ckpt"), "checkpoint_every": CHECKPOINT_EVERY,
+                "resume": "auto"} if checkpoints else {}
     trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                            batch_size=32, progress=False, checkpoint_dir=str(out / "ckpt"),
-                            checkpoint_every=1, resume="auto")
-    marks = {"first": None}
+                            batch_size=32, progress=False, max_steps=steps,
+                            metrics={"enabled": False}, **settings)
+    log = open(out / f"steps.{slot}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115
+    first = out / f"first.{slot}.{os.getpid()}"
 
     def after_step(*_):
-        if marks["first"] is None:
-            marks["first"] = time.time()
-            if shoal.is_main():
-                (out / f"first_step_{attempt}").write_text(repr(marks["first"]))
-        if attempt < kills and shoal.rank() == attempt % 2 and trainer.global_step + 1 == (
-                marks.setdefault("start", trainer.global_step) + 5):
-            (out / f"kill_{attempt}").write_text(repr(time.time()))
+        if not first.exists():
+            first.write_text(repr(time.time()))
+        log.write(f"{time.time()!r} {trainer.global_step}\n")
+
+    def back(i: int) -> bool:
+        """Kill i's victim has a replacement that committed a step since."""
+        killed = float((out / f"kill_{i}").read_text())
+        return any(float(f.read_text()) > killed
+                   for f in out.glob(f"first.{schedule[i][1]}.*"))
+
+    def maybe_kill(*_):
+        # Kill i comes at its step or, if the previous kill's replacement is not back yet,
+        # as soon as it is: one worker is down at a time, as the figures assume.
+        i = sum(1 for k in range(len(schedule)) if (out / f"kill_{k}").exists())
+        if i == len(schedule) or (i > 0 and not back(i - 1)):
+            return
+        step, victim = schedule[i]
+        if victim == slot and trainer.global_step >= step:
+            (out / f"kill_{i}").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
     trainer.optimizer.register_step_post_hook(after_step)
-    trainer.fit(build_data()[0], max_steps=1000)
+    model.register_forward_pre_hook(maybe_kill)
+    trainer.fit(build_data()[0])
+    if trainer.live is not None:
+        (out / f"healed.{slot}.{os.getpid()}.json").write_text(json.dumps(trainer.live.healed))
+    if slot == 0 or trainer.live is not None:
+        torch.save(trainer.module.state_dict(), out / f"final.{slot}.pt")
 
 
-def measure_recovery(kills: int) -> list[float]:
+def _run_job(mode: str, steps: int, schedule: list[tuple[int, int]]) -> Path:
     out = Path(tempfile.mkdtemp(prefix="shoal-recovery-"))
-    cmd = [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", "--max-restarts",
-           str(kills), __file__, "--job", str(out), "--kills", str(kills)]
+    flags = {"restart": ["--nproc-per-node", "2"],
+             "live exact": ["--replica-groups", "2", "--ft-policy", "exact"],
+             "live available": ["--replica-groups", "2", "--ft-policy", "available"],
+             "baseline": ["--nproc-per-node", "2"]}[mode]
+    cmd = [sys.executable, "-m", "shoal", "run", *flags, "--max-restarts", str(len(schedule)),
+           __file__, "--job", str(out), "--steps", str(steps),
+           "--schedule", json.dumps(schedule)]
+    if mode == "restart":
+        cmd.append("--checkpoints")
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    times = [float((out / f"first_step_{a + 1}").read_text())
-             - float((out / f"kill_{a}").read_text()) for a in range(kills)]
-    shutil.rmtree(out, ignore_errors=True)
-    return times
+    return out
+
+
+def _steps(out: Path) -> list[tuple[float, int, int, int]]:
+    """Every committed step: (time, step, slot, pid), in time order."""
+    rows = []
+    for path in out.glob("steps.*"):
+        _, slot, pid = path.name.split(".")
+        for line in path.read_text().split("\n"):
+            if line:
+                t, step = line.split()
+                rows.append((float(t), int(step), int(slot), int(pid)))
+    return sorted(rows)
+
+
+def _figures(mode: str, out: Path, schedule: list[tuple[int, int]], baseline: Path,
+             calm_rate: float) -> dict:
+    rows = _steps(out)
+    pauses, rejoins, lost = [], [], 0
+    done = [i for i in range(len(schedule)) if (out / f"kill_{i}").exists()]
+    for i in done:
+        victim = schedule[i][1]
+        killed = float((out / f"kill_{i}").read_text())
+        before = max(step for t, step, _, _ in rows if t < killed)
+        after = [(t, step, slot) for t, step, slot, _ in rows if t > killed]
+        pauses.append(next(t for t, _, slot in after if slot != victim) - killed)
+        # None: the others finished before the replacement took part (policy available).
+        rejoins.append(next((t for t, _, slot in after if slot == victim), None))
+        if rejoins[-1] is not None:
+            rejoins[-1] -= killed
+        lost += max(0, before - (min(step for _, step, _ in after) - 1))
+    pids = {(slot, pid) for _, _, slot, pid in rows}
+    restarts = len(pids) - len({slot for slot, _ in pids})
+    healed = [h for path in out.glob("healed.*") for h in json.loads(path.read_text())
+              if h["step"] > 0]  # step 0: the start's sync from group 0, not a recovery
+    same = all(torch.equal(a, b) for a, b in zip(
+        torch.load(out / "final.0.pt").values(),
+        torch.load(baseline / "final.0.pt").values(), strict=True))
+    back = [r for r in rejoins if r is not None]
+    return {"mode": mode, "kills": len(done), "survivor_pause_s": statistics.median(pauses),
+            "rejoin_s": statistics.median(back) if back else None, "steps_lost": lost,
+            "survivor_restarts": restarts - len(done),
+            "equal": same if mode != "live available" else None,
+            "goodput": _rate(out) / calm_rate,
+            "healed_bytes": statistics.median([h["bytes"] for h in healed]) if healed else 0,
+            "heal_s": statistics.median([h["seconds"] for h in healed]) if healed else None,
+            "pauses_s": pauses, "rejoins_s": rejoins}
+
+
+def _rate(out: Path) -> float:
+    """Committed steps per second, first step to last."""
+    rows = _steps(out)
+    return len({step for _, step, _, _ in rows}) / (rows[-1][0] - rows[0][0])
+
+
+def measure_recovery(steps: int, kills: int, seed: int) -> list[dict]:
+    """The same job with the same kills, each way; each against itself without kills (its
+    goodput) and against 2-process DDP without kills (its equality and step rate)."""
+    rng = random.Random(seed)
+    at = sorted(rng.sample(range(20, steps - 20), kills))
+    schedule = [(step, rng.randrange(2)) for step in at]
+    baseline = _run_job("baseline", steps, [])
+    ddp_rate = _rate(baseline)
+    results, calm = [], {}
+    for mode in MODES:
+        # Without kills both live policies do the same: one calm run serves both.
+        kind = "live" if mode.startswith("live") else mode
+        if kind not in calm:
+            quiet = _run_job(mode, steps, [])
+            calm[kind] = _rate(quiet)
+            shutil.rmtree(quiet, ignore_errors=True)
+        out = _run_job(mode, steps, schedule)
+        figures = _figures(mode, out, schedule, baseline, calm[kind])
+        figures["rate_vs_ddp"] = calm[kind] / ddp_rate  # the mode's cost without failures
+        results.append(figures)
+        shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(baseline, ignore_errors=True)
+    return results
 
 
 def big_state(megabytes: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -126,20 +242,50 @@ def measure_save(megabytes: int, repeats: int) -> dict:
             **{k: statistics.median(v) for k, v in results.items()}}
 
 
+def _print_recovery(results: list[dict], steps: int, kills: int) -> None:
+    print(f"recovery: a {steps}-step digits job on 2 data-parallel workers, {kills} SIGKILLs "
+          "of a random worker at random steps, the same kills each way")
+    print(f"  {'mode':<16}{'pause (s)':>10}{'rejoin (s)':>11}{'lost':>6}{'restarts':>9}"
+          f"{'equal':>7}{'goodput':>9}{'healed':>10}{'heal (s)':>9}{'kills':>6}")
+    for r in results:
+        heal = f"{r['heal_s']:.2f}" if r["heal_s"] is not None else "-"
+        rejoin = f"{r['rejoin_s']:.2f}" if r["rejoin_s"] is not None else "-"
+        print(f"  {r['mode']:<16}{r['survivor_pause_s']:>10.2f}{rejoin:>11}"
+              f"{r['steps_lost']:>6}{r['survivor_restarts']:>9}{str(r['equal']):>7}"
+              f"{r['goodput']:>9.2f}{r['healed_bytes'] / 2**20:>8.2f}MB{heal:>9}{r['kills']:>6}")
+    for r in results:
+        print(f"  {r['mode']}: without kills, {r['rate_vs_ddp']:.2f} x the step rate of "
+              "2-process DDP")
+    print("  pause: kill -> the other worker's next committed step (median); rejoin: kill -> "
+          "the replacement's; restarts: of workers that were not killed; goodput: committed "
+          "steps per second against the same mode without kills (targets: pause <= 1.5 s, "
+          "0 steps lost, 0 restarts in live modes, goodput >= 0.85)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--kills", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=12000,
+                        help="steps of the recovery job (default 12000: about 90 s here)")
+    parser.add_argument("--seed", type=int, default=0, help="of the kills' steps and victims")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write the recovery figures, one object per mode")
+    parser.add_argument("--no-save", action="store_true", help="skip part 2")
     parser.add_argument("--state-mb", type=int, default=540)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", default="[]", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoints", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        return job(Path(args.job), args.kills)
-    times = measure_recovery(args.kills)
-    print(f"recovery: SIGKILL of a rank -> first completed step after restart, 2 processes, "
-          f"{args.kills} kills")
-    print("  each (s): " + " ".join(f"{t:.2f}" for t in times))
-    print(f"  median:   {statistics.median(times):.2f} s  (target <= 5 s)")
+        return job(Path(args.job), args.steps, [tuple(k) for k in json.loads(args.schedule)],
+                   args.checkpoints)
+    results = measure_recovery(args.steps, args.kills, args.seed)
+    _print_recovery(results, args.steps, args.kills)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.no_save:
+        return None
     save = measure_save(args.state_mb, args.repeats)
     mb = save["bytes"] / 2**20
     print(f"checkpoint save: {mb:.0f} MB (model + AdamW state), 1 process, median of "

@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 FLOORS = [
     ("base", {"errors", "version", "imports"}),
     ("runtime", {"runtime"}),
-    ("building blocks", {"parallel", "checkpoint", "metrics", "data", "models"}),
+    ("building blocks", {"parallel", "checkpoint", "metrics", "data", "models", "ft"}),
     ("training", {"training"}),
     ("features", {"rl", "remote", "dashboard"}),
     ("run config", {"config"}),

@@ -8,6 +8,7 @@ import sys
 
 from shoal.clusters.detect import ClusterEnv, detect
 from shoal.errors import UsageError
+from shoal.ft import FaultToleranceConfig
 from shoal.launch import LaunchSpec, launch
 from shoal.launch.config import resolve_nproc
 
@@ -48,6 +49,17 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         "progress for this long (default 600; 0 turns it off)")
     parser.add_argument("--debug", action="store_true",
                         help="check each collective across ranks (op, shapes, dtypes)")
+    parser.add_argument("--replica-groups", type=int, default=None, metavar="R",
+                        help="live recovery: run the job as R replica groups on this machine, "
+                        "each with its own workers and restarts; a failed group heals from a "
+                        "live one while the others wait or go on (docs/fault_tolerance.md)")
+    parser.add_argument("--ft-policy", choices=["exact", "available"], default=None,
+                        help="live mode: 'exact' (default) waits for the replacement and "
+                        "ends bitwise equal to a run without failures; 'available' goes on "
+                        "without the missing group")
+    parser.add_argument("--lighthouse", default=None, metavar="http://HOST:PORT",
+                        help="live mode: a running torchft lighthouse (default: one is "
+                        "started for the job)")
 
 
 def add_fetch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,11 +143,35 @@ def _given(*values):
     return next(value for value in values if value is not None)
 
 
+def live_settings(args: argparse.Namespace, base: FaultToleranceConfig | None = None
+                  ) -> FaultToleranceConfig:
+    """The run's fault tolerance: a config's ``fault_tolerance`` section, overridden by the
+    live-mode flags (``--replica-groups`` chooses live mode)."""
+    base = base or FaultToleranceConfig()
+    update: dict = {}
+    if args.replica_groups is not None:
+        update.update(mode="live", replica_groups=args.replica_groups)
+    if args.ft_policy is not None:
+        update["policy"] = args.ft_policy
+    if args.lighthouse is not None:
+        update["lighthouse"] = args.lighthouse
+    config = FaultToleranceConfig.build(**{**base.model_dump(), **update})
+    if not config.live and (args.ft_policy or args.lighthouse):
+        raise UsageError("--ft-policy and --lighthouse are settings of live mode: add "
+                         "--replica-groups R")
+    if config.live and (config.replica_groups or 1) < 2:
+        raise UsageError("live mode needs at least 2 replica groups: give --replica-groups "
+                         "R (or fault_tolerance.replica_groups) of 2 or more")
+    return config
+
+
 def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
                    module: bool, nproc_default: int | str = 1,
-                   cluster: ClusterEnv | None = None) -> LaunchSpec:
+                   cluster: ClusterEnv | None = None,
+                   fault_tolerance: FaultToleranceConfig | None = None) -> LaunchSpec:
     """Build the LaunchSpec from parsed flags, then a per-node ``cluster``'s values, then the
     defaults; validation happens in LaunchSpec itself."""
+    live = live_settings(args, fault_tolerance)
     node = cluster if cluster is not None and not cluster.per_process else None
     counts = (_node_counts(args.nnodes) if args.nnodes is not None
               else {"nnodes": node.nnodes if node else 1, "min_nodes": None})
@@ -158,6 +194,8 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
         log_dir=args.log_dir,
         hang_timeout=args.hang_timeout or None,
         debug=args.debug,
+        replica_groups=live.replica_groups or 1 if live.live else 1,
+        fault_tolerance=live,
     )
 
 

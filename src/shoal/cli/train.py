@@ -21,6 +21,7 @@ from shoal.cli.run import (
     spec_from_args,
     start,
 )
+from shoal.errors import UsageError
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -65,7 +66,11 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
         args.log_dir = str(Path(config.run.dir) / "logs")
     cluster = detect_cluster(args)
     spec = spec_from_args(args, entry, [], module=True,
-                          nproc_default=config.run.nproc_per_node, cluster=cluster)
+                          nproc_default=config.run.nproc_per_node, cluster=cluster,
+                          fault_tolerance=None if rl else config.trainer.fault_tolerance)
+    if rl and spec.fault_tolerance.live:
+        raise UsageError("live mode (--replica-groups) trains Trainer runs; an rl: run "
+                         "recovers by restart (--max-restarts)")
     # Where the scheduler started every worker (srun -n 8, mpirun), this process is one rank.
     in_place = cluster is not None and cluster.per_process
     world = cluster.world_size if in_place else spec.world_size
@@ -98,7 +103,7 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
     resolved = save_run_config(config) if first else None
     metrics_dir = metrics.dir or config.run.dir
     with serve_during(args, metrics_dir if first else None):
-        if spec.world_size == 1 and not in_place:
+        if spec.world_size == 1 and not in_place and not spec.fault_tolerance.live:
             announce(spec, cluster)
             importlib.import_module(entry).train_from_config(config)
             return 0
@@ -126,7 +131,8 @@ def _resume_on_restart(config: Any, spec: Any, rl: bool, first: bool) -> list[st
     if section.resume is not None:
         return []
     if section.checkpoint_dir is None:
-        if first:
+        live = getattr(spec, "fault_tolerance", None)
+        if first and not (live and live.live):  # live: a restarted group heals instead
             print(f"shoal: warning: {why} without {name}.checkpoint_dir: a restarted worker "
                   f"starts the run over from step 0 (set {name}.checkpoint_dir and "
                   f"{name}.checkpoint_every to continue instead)", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from shoal.errors import UsageError
+from shoal.ft import FaultToleranceConfig
 
 
 def resolve_nproc(value: int | str) -> int:
@@ -71,6 +72,11 @@ class LaunchSpec:
     """Report and stop the job when no rank made progress for this long (None: never)."""
     debug: bool = False
     """Check every collective across ranks (operation, shapes, dtypes); slower."""
+    replica_groups: int = 1
+    """Live mode on one machine: this many replica groups, each its own agent and workers
+    (``nproc_per_node`` each) and its own restarts."""
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Restart (default) or live recovery, and live mode's policy and timeouts."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -98,6 +104,11 @@ class LaunchSpec:
             raise UsageError("--master-port is required when --nnodes is more than 1")
         if self.hang_timeout is not None and self.hang_timeout <= 0:
             raise UsageError(f"--hang-timeout must be positive, got {self.hang_timeout}")
+        if self.replica_groups < 1:
+            raise UsageError(f"--replica-groups must be at least 1, got {self.replica_groups}")
+        if self.fault_tolerance.live and self.nnodes > 1:
+            raise UsageError("live mode runs its replica groups on one machine for now: "
+                             "use --nnodes 1 (or fault_tolerance.mode 'restart')")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if not self.module and not os.path.isfile(self.entry):

@@ -189,6 +189,10 @@ def quiet_torch_logs() -> None:
 
 def launch(spec: LaunchSpec) -> int:
     """Run the job described by ``spec``; return the launcher's exit code."""
+    if spec.fault_tolerance.live:
+        from shoal.launch.groups import launch_groups
+
+        return launch_groups(spec)
     if spec.master_port is not None and spec.node_rank == 0 and _is_local(spec.master_addr):
         host = spec.master_addr if spec.master_addr != "localhost" else "127.0.0.1"
         check_port_free(host, spec.master_port)

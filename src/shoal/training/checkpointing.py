@@ -118,7 +118,7 @@ class Checkpointing:
         meta = {"global_step": t.global_step, "epoch": t.epoch,
                 # None: the loader cannot resume mid-epoch; the epoch restarts instead.
                 "consumed": consumed, "batch_size": c.batch_size,
-                "global_batch": t.harness.dims.dp * c.batch_size * t.accumulate,
+                "global_batch": t.harness.data_ranks * c.batch_size * t.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
                 "run_config": t.run_config, "tracking": t.tracking,
                 "remote": {name: m.tier_state() for name, m in remote_modules(t.module).items()}}
@@ -221,7 +221,7 @@ class Checkpointing:
 
     def _keep_global_batch(self, meta: dict) -> None:
         t = self.trainer
-        world, batch = t.harness.dims.dp, t.config.batch_size
+        world, batch = t.harness.data_ranks, t.config.batch_size
         global_batch = meta["global_batch"]
         if global_batch == world * batch * t.accumulate:
             return

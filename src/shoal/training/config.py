@@ -16,6 +16,7 @@ from pydantic import (
 
 from shoal.checkpoint import CheckpointStore
 from shoal.errors import usage_error
+from shoal.ft.config import FaultToleranceConfig
 from shoal.metrics.recorder import MetricsConfig
 from shoal.parallel.averaging import DiLoCoConfig, LocalSGDConfig
 from shoal.parallel.compression import CompressionConfig
@@ -105,6 +106,10 @@ class TrainerConfig(BaseModel):
     """Write checkpoints in the background: a step waits only for the copy of the state."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """Step metrics: phase split per rank, resources, stragglers, JSONL and TensorBoard."""
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
+    """How the job lives through a failed worker: 'restart' (every worker, from the last
+    checkpoint) or 'live' (replica groups; only the failed one restarts and heals from a
+    live one). See docs/fault_tolerance.md."""
     resume: str | None = None
     """'auto': continue from the newest complete checkpoint in checkpoint_dir, if any;
     a path: from that checkpoint (refused at once when it holds no complete checkpoint;

@@ -129,6 +129,18 @@ class Harness:
         self.comm = None  # the compression hook's or the weight averaging's state
         self.last_comm = StepComm(0.0, 0.0, 0.0)  # what the last step sent and waited for
         self.last_grad_norm: torch.Tensor | None = None
+        # Live recovery: (count, index) of the replica groups whose data this job splits.
+        self.replica_groups = (1, 0)
+
+    @property
+    def data_ranks(self) -> int:
+        """Data-parallel ranks over the whole job (every replica group's)."""
+        return self.dims.dp * self.replica_groups[0]
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among ``data_ranks``."""
+        return self.replica_groups[1] * self.dims.dp + self.dp_rank
 
     @property
     def rank(self) -> int:
@@ -303,7 +315,10 @@ class Harness:
         """A loader over this rank's share of ``data`` (see ``shard_dataloader``): shares
         go to the dp ranks; the tp and pp ranks of one dp rank read the same batches.
         Pipeline training needs full batches: an epoch's incomplete last one is dropped."""
-        loader = shard_dataloader(data, world_size=self.dims.dp, rank=self.dp_rank,
+        # Each live replica group validates on the whole set; training splits over them all.
+        ranks, rank = (self.dims.dp, self.dp_rank) if evaluation else (self.data_ranks,
+                                                                       self.data_rank)
+        loader = shard_dataloader(data, world_size=ranks, rank=rank,
                                   batch_size=batch_size, shuffle=shuffle and not evaluation,
                                   seed=self.config.seed, evaluation=evaluation,
                                   num_workers=num_workers,

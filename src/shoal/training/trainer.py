@@ -23,6 +23,7 @@ from shoal.data.sharding import (
     set_epoch,
 )
 from shoal.errors import NonFiniteError, UsageError
+from shoal.ft.session import Redo
 from shoal.metrics.recorder import StepMetrics
 from shoal.parallel.pipeline_parallel import PipelineModel
 
@@ -45,6 +46,7 @@ from shoal.training.batches import (
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness, seed_everything
+from shoal.training.live import gradients, open_live, seed_step
 from shoal.training.preemption import PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
@@ -131,6 +133,8 @@ class Trainer:
         self.epoch = 0
         self.accumulate = c.accumulate_grad_batches  # resuming on another W may change it
         self._position: int | None = 0  # global samples of the epoch consumed so far
+        self.step_position: int | None = 0  # where the step under way began (live mode)
+        self.live = None  # the live session while fit runs in a live job
         self.history: list[dict[str, float]] = []
         self.skipped_steps: list[int] = []  # steps skipped for non-finite gradients
         self._preemption: PreemptionWatch | None = None
@@ -172,11 +176,21 @@ class Trainer:
         max_steps = max_steps or c.max_steps
         if epochs is None and max_steps is None:
             epochs = 1
+        self.live = open_live(self)  # before the loader: it splits data over the groups
+        writes = self.live is None or self.live.writes  # one live group writes for all
+        if not writes:
+            self.checkpointing = None
         loader = self._loader(train_data, evaluation=False)
+        if self.live is not None and position_after(loader, 0) is None:
+            raise UsageError("live recovery starts a step again from its first sample, "
+                             "which needs a map-style Dataset (or a DataLoader with a plain "
+                             "sampler) that shoal splits itself")
         consumed = 0
         if c.resume:  # a path without checkpoint_dir is read, and nothing is written
-            reader = self.checkpointing or Checkpointing(self, str(Path(c.resume).parent),
-                                                         every=None, keep_last=c.keep_last)
+            # (A live group other than 0 reads the checkpoints group 0 writes.)
+            directory = c.checkpoint_dir if c.resume == "auto" else str(Path(c.resume).parent)
+            reader = self.checkpointing or Checkpointing(self, directory, every=None,
+                                                         keep_last=c.keep_last)
             consumed = reader.resume(c.resume)
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.harness.is_main)
@@ -190,14 +204,19 @@ class Trainer:
                                     params=self.run_config or {"trainer": c.model_dump(
                                         mode="json")},
                                     tracking=self.tracking) \
-            if c.metrics.enabled else None
+            if c.metrics.enabled and writes else None
         if self.checkpointing and self._metrics:
             self.checkpointing.before_save = self._metrics.sync
         try:
             if self._preemption:
                 self._preemption.start()
             while not self._finished(epochs, max_steps):
-                train, epoch_done = self._train_epoch(loader, progress, max_steps, consumed)
+                try:
+                    train, epoch_done = self._train_epoch(loader, progress, max_steps,
+                                                          consumed)
+                except Redo:  # live recovery: the step starts again where it began
+                    consumed = self.step_position
+                    continue
                 consumed = 0
                 if not epoch_done or self._finished(epochs, max_steps, self.epoch + 1):
                     self.harness.synchronize()  # replicas that train apart end as one
@@ -221,6 +240,8 @@ class Trainer:
                 self._metrics.record("event", self.global_step, kind="end")
         finally:
             progress.close()
+            if self.live is not None:
+                self.live.close()
             if self._preemption:
                 self._preemption.stop()
             if self._metrics:
@@ -275,6 +296,10 @@ class Trainer:
             if position == 0:  # the window's global sample count, once per window
                 window_samples = samples_between(loader, i, i + window)
                 step_loss, step_samples, step_tokens = 0, 0, 0
+                if self.live is not None:  # meet the other replica groups (may heal)
+                    self.step_position = position_after(loader, i)
+                    self.live.begin_step()
+                    seed_step(self)
             batch = h.to_device(batch)
             n = samples_in(batch)
             if self.pipeline:  # forward and backward through every stage in one call
@@ -301,6 +326,11 @@ class Trainer:
             if length is None and position + 1 < k:
                 # The stream ended inside a window: its gradients were divided by k.
                 _rescale_gradients(model, k / (position + 1))
+            if self.live is not None and not self.live.end_step(
+                    gradients(model), (window_samples or 0) // h.replica_groups[0],
+                    self.global_step):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise Redo()
             self._optimizer_step(position_after(loader, micro_batches), loss)
             if self._metrics:
                 self._metrics.step(self.global_step, self.epoch,
@@ -309,7 +339,7 @@ class Trainer:
                                    step_samples, step_tokens, h.last_comm)
             self._checkpoint_step(self._position)
             if progress.wants_update():
-                rate = samples * h.dims.dp / (time.perf_counter() - start)
+                rate = samples * h.data_ranks / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
                 if clock:
                     clock.skip()  # the display counts as 'other' of the next step
@@ -363,7 +393,7 @@ class Trainer:
     def _weight(self, window: int, total: int | None, samples: int) -> float:
         """``_scaled``'s factor for a micro-batch of ``samples`` (a pipeline applies it
         itself)."""
-        share = samples * self.harness.dims.dp
+        share = samples * self.harness.data_ranks
         return 1 / window if total is None or share * window == total else share / total
 
     def _optimizer_step(self, consumed: int | None, loss: torch.Tensor | None = None) -> None:

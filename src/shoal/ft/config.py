@@ -1,0 +1,107 @@
+"""The live-recovery settings (``trainer.fault_tolerance``) and a worker's place among the
+replica groups, read once from what the launcher set."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shoal.errors import usage_error
+
+# What the launcher tells each worker of a live job (read here, and nowhere else).
+ENV_CONFIG = "SHOAL_FT_CONFIG"
+ENV_GROUP = "SHOAL_FT_GROUP"
+ENV_LIGHTHOUSE = "SHOAL_FT_LIGHTHOUSE"
+ENV_HOST = "SHOAL_FT_HOST"
+
+
+class FaultToleranceConfig(BaseModel):
+    """How a job lives through the failure of a worker (``trainer.fault_tolerance``)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    mode: Literal["restart", "live"] = "restart"
+    """'restart': the elastic agent stops every worker and starts them all again from the
+    last checkpoint (with ``--max-restarts``). 'live': the job is replica groups meeting in
+    a quorum every step; only the failed group restarts, and it heals from a live one."""
+    policy: Literal["exact", "available"] = "exact"
+    """Live mode only. 'exact': the other groups wait in memory until the replacement has
+    healed, and the interrupted step is done again: the run ends bitwise equal to one without
+    failures. 'available': the other groups go on without the missing one (its samples of
+    those steps are skipped, said and counted) and the replacement joins when healed."""
+    replica_groups: int | None = Field(None, ge=1)
+    """Replica groups on this machine (``--replica-groups``), each its own agent, workers and
+    restarts. Default: one per node."""
+    lighthouse: str | None = None
+    """Address of a running torchft lighthouse (http://HOST:PORT). Default: the launcher of
+    node 0 starts one for the job and stops it at the end."""
+    heartbeat_timeout_ms: int = Field(500, gt=0)
+    """The lighthouse drops a group whose manager has not beaten for this long: how fast a
+    dead or frozen group is noticed."""
+    join_timeout_ms: int = Field(500, gt=0)
+    """How long the lighthouse waits for the groups of the last quorum before forming a new
+    one without those that are missing."""
+    step_timeout_s: float = Field(10.0, gt=0)
+    """The longest a collective across groups, a commit vote or a heal transfer may take
+    before the step is given up (and done again)."""
+    replacement_timeout_s: float = Field(120.0, gt=0)
+    """Policy 'exact': how long the other groups wait for a replacement before they give up
+    and fall back to the restart from the last checkpoint."""
+
+    @model_validator(mode="after")
+    def _ordered_timeouts(self) -> FaultToleranceConfig:
+        # A group must be noticed as gone before a step across groups gives up on it.
+        if self.heartbeat_timeout_ms / 1000 >= self.step_timeout_s:
+            raise ValueError(f"heartbeat_timeout_ms {self.heartbeat_timeout_ms} must be "
+                             f"shorter than step_timeout_s {self.step_timeout_s}")
+        if self.step_timeout_s >= self.replacement_timeout_s:
+            raise ValueError(f"step_timeout_s {self.step_timeout_s} must be shorter than "
+                             f"replacement_timeout_s {self.replacement_timeout_s}")
+        return self
+
+    @property
+    def live(self) -> bool:
+        return self.mode == "live"
+
+    @classmethod
+    def build(cls, **settings: object) -> FaultToleranceConfig:
+        try:
+            return cls(**settings)
+        except ValidationError as exc:
+            raise usage_error(exc, "fault_tolerance") from None
+
+
+@dataclass(frozen=True)
+class ReplicaPlace:
+    """Where this worker's group stands in a live job, as its launcher said."""
+
+    group: int
+    """This replica group's index."""
+    groups: int
+    """How many replica groups the job has."""
+    lighthouse: str
+    """The lighthouse's address."""
+    config: FaultToleranceConfig
+    """The job's live-recovery settings (the launcher's, which the flags chose)."""
+    host: str = "127.0.0.1"
+    """The address the other groups reach this group's manager and heal server at."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> ReplicaPlace | None:
+        env = os.environ if environ is None else environ
+        if ENV_GROUP not in env:
+            return None
+        config = FaultToleranceConfig.build(**json.loads(env[ENV_CONFIG]))
+        return cls(group=int(env[ENV_GROUP]), groups=config.replica_groups or 1,
+                   lighthouse=env[ENV_LIGHTHOUSE], config=config,
+                   host=env.get(ENV_HOST, "127.0.0.1"))
+
+    def environ(self) -> dict[str, str]:
+        """The variables that give a group's workers this place."""
+        return {ENV_GROUP: str(self.group), ENV_LIGHTHOUSE: self.lighthouse,
+                ENV_CONFIG: self.config.model_dump_json(), ENV_HOST: self.host}

@@ -1,0 +1,167 @@
+"""The one module that meets torchft: its lighthouse, its manager and its reconfigurable
+process group, behind shoal's own small types. Nothing else in shoal imports torchft.
+
+Used pieces (torchft 0.2.0): ``LighthouseServer``; ``Manager`` with a synchronous quorum
+at the start of each step (a replacement heals before its forward pass, so it takes part
+in the very step it joins at) and the HTTP transport for healing; ``ProcessGroupGloo``
+across groups. Not used: torchft's ``DistributedDataParallel`` wrapper, which can crash the
+survivors of a killed gloo peer (``assert fut._fut``): gradients are averaged here by
+``Manager.allreduce`` after backward instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from shoal.errors import UsageError
+from shoal.ft.config import FaultToleranceConfig, ReplicaPlace
+
+if TYPE_CHECKING:
+    import torch
+
+_MISSING = "live recovery needs torchft: pip install shoal[ft]"
+
+
+def _torchft() -> Any:
+    try:
+        import torchft
+    except ImportError:
+        raise UsageError(_MISSING) from None
+    # A failed step is said by shoal in one line; torchft would add a traceback per failure
+    # (and a warning per quorum about NCCL's flight recorder, which gloo does not have).
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    # Healed tensors are read from the transfer's buffer and copied into the model at once.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    return torchft
+
+
+def check_available() -> None:
+    """Refuse at the edge, in one line, when torchft is not installed."""
+    if _find_torchft() is None:
+        raise UsageError(_MISSING)
+
+
+def _find_torchft() -> Any:
+    """torchft's package spec, without running the package (which imports torch)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torchft")
+    except ValueError:  # in sys.modules as None: taken away on purpose
+        return None
+
+
+def serve_lighthouse(bind: str, min_replicas: int, config: FaultToleranceConfig) -> Any:
+    """Start torchft's lighthouse in this process; returns the server (``shutdown()``).
+
+    Only torchft's compiled extension is loaded, not its package (which imports torch): the
+    daemon is up in well under a second, also when the launcher starts it again."""
+    import importlib.util
+    from pathlib import Path
+
+    found = _find_torchft()
+    if found is None or not found.submodule_search_locations:
+        raise UsageError(_MISSING)
+    folder = Path(next(iter(found.submodule_search_locations)))
+    library = next(folder.glob("_torchft*.so"), None)
+    if library is None:
+        raise UsageError(f"torchft in {folder} has no compiled extension: {_MISSING}")
+    spec = importlib.util.spec_from_file_location("torchft._torchft", library)
+    extension = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extension)
+    return extension.LighthouseServer(bind=bind, min_replicas=min_replicas,
+                                      join_timeout_ms=config.join_timeout_ms,
+                                      quorum_tick_ms=20,
+                                      heartbeat_timeout_ms=config.heartbeat_timeout_ms)
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """What one step's quorum said to this group."""
+
+    participants: int
+    """Replica groups taking part in this step."""
+    healed: bool
+    """This group just loaded a live group's state."""
+
+
+class Replica:
+    """This worker's membership in the quorum: one torchft Manager and its process group
+    across groups (rank i of each group meets rank i of the others)."""
+
+    def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
+                 state: Callable[[], dict], load: Callable[[dict], None]):
+        torchft = _torchft()
+        from torchft.manager import Manager
+
+        c = place.config
+        self._healed = False
+        self._load = load
+        step = timedelta(seconds=c.step_timeout_s)
+        exact = c.policy == "exact"
+        self._manager = Manager(
+            pg=torchft.ProcessGroupGloo(timeout=step),
+            load_state_dict=self._loaded, state_dict=state,
+            # exact: a step commits only with every group in it.
+            min_replica_size=place.groups if exact else 1,
+            use_async_quorum=False, timeout=step,
+            quorum_timeout=timedelta(seconds=c.replacement_timeout_s if exact
+                                     else c.step_timeout_s),
+            connect_timeout=step, rank=group_rank, world_size=group_size,
+            lighthouse_addr=place.lighthouse, replica_id=f"shoal_group_{place.group}",
+            hostname=place.host, heartbeat_interval=timedelta(milliseconds=100), init_sync=True,
+            # The ManagerServer asks the lighthouse again (with backoff) when a request
+            # fails: a lighthouse the launcher starts again is back within a second.
+            quorum_retries=20)
+
+    def _loaded(self, state: dict) -> None:
+        self._load(state)
+        self._healed = True
+
+    def quorum(self) -> Quorum:
+        """Meet the other groups for a step; a group behind heals here, before the step."""
+        self._healed = False
+        try:
+            self._manager.start_quorum()
+        except Exception:
+            # torchft 0.2.0 keeps the failed quorum's future, and the next start_quorum
+            # would raise its error again: drop it, so that a later try starts afresh.
+            self._manager._quorum_future = None
+            raise
+        return Quorum(participants=self._manager.num_participants(), healed=self._healed)
+
+    def average(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Average ``tensors`` (flattened into one buffer) over the groups of this step; on
+        a failure the step is marked as errored (``commit`` then says False)."""
+        if not tensors:
+            return
+        import torch
+
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self._manager.allreduce(flat).wait()
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    @property
+    def step(self) -> int:
+        """Steps committed (the same in every group of a quorum)."""
+        return self._manager.current_step()
+
+    def commit(self) -> bool:
+        """Whether every group of the step may apply it: nothing failed, and under 'exact'
+        every group took part (the manager's minimum replica count)."""
+        return self._manager.should_commit()
+
+    @property
+    def errored(self) -> bool:
+        return self._manager.errored() is not None
+
+    def close(self) -> None:
+        self._manager.shutdown(wait=False)

@@ -1,0 +1,169 @@
+"""Live mode on one machine: the job as replica groups, each its own elastic agent with its
+own workers and restarts, meeting at a lighthouse this launcher starts and stops.
+
+Each group is a plain `shoal run` of one group (started here as a child process), told its
+place by ``ReplicaPlace.environ()``. A group whose restarts are used up is lost for good:
+under 'exact' the others cannot go on without it and are stopped; under 'available' they
+go on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from shoal.ft import FaultToleranceConfig, ReplicaPlace
+from shoal.ft.lighthouse import Lighthouse, start_lighthouse
+from shoal.launch.config import LaunchSpec
+from shoal.launch.ports import free_port
+
+_HOST = "127.0.0.1"
+
+
+def _group_command(spec: LaunchSpec, group: int) -> list[str]:
+    argv = [sys.executable, "-m", "shoal", "run", "--nproc-per-node", str(spec.nproc_per_node),
+            "--max-restarts", str(spec.max_restarts),
+            "--hang-timeout", str(spec.hang_timeout or 0)]
+    if spec.log_dir:
+        argv += ["--log-dir", os.path.join(spec.log_dir, f"group{group}")]
+    if spec.debug:
+        argv.append("--debug")
+    if spec.module:
+        argv.append("-m")
+    return [*argv, spec.entry, *spec.args]
+
+
+def _say(message: str) -> None:
+    print(f"shoal: {message}", file=sys.stderr, flush=True)
+
+
+def launch_groups(spec: LaunchSpec) -> int:
+    """Run ``spec`` as ``spec.replica_groups`` groups; the launcher's exit code."""
+    from shoal.ft.engine import check_available
+
+    check_available()
+    config = spec.fault_tolerance.model_copy(update={"replica_groups": spec.replica_groups})
+    groups = spec.replica_groups
+    # torchft's Rust side logs every quorum at INFO: only its warnings, unless asked.
+    os.environ.setdefault("RUST_LOG", "warn")
+    lighthouse = None
+    address = config.lighthouse
+    if address is None:
+        exact = config.policy == "exact"
+        lighthouse = start_lighthouse(_HOST, free_port(_HOST), groups if exact else 1, config)
+        address = lighthouse.address
+    _say(f"live mode: {groups} replica groups x {spec.nproc_per_node} processes, policy "
+         f"{config.policy}, lighthouse {address}"
+         + (f" (pid {lighthouse.process.pid})" if lighthouse else ""))
+    job = _GroupJob(spec, config, address, lighthouse)
+    previous = {s: signal.signal(s, job.forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        job.start()
+        return job.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        job.stop_all()
+        if lighthouse is not None:
+            lighthouse.stop()
+
+
+class _GroupJob:
+    """The groups' processes, watched until they are done."""
+
+    def __init__(self, spec: LaunchSpec, config: FaultToleranceConfig, address: str,
+                 lighthouse: Lighthouse | None):
+        self.spec, self.config, self.address, self.lighthouse = spec, config, address, lighthouse
+        self.children: list[subprocess.Popen] = []
+        self.stopping: list[int] = []
+        # Policy exact: a group lost for good makes every group start again from the last
+        # checkpoint, once (today's restart, for the whole job).
+        self.fallbacks = 1 if config.policy == "exact" else 0
+
+    def start(self) -> None:
+        groups = self.spec.replica_groups
+        self.children = [
+            subprocess.Popen(_group_command(self.spec, group), env={
+                **os.environ,
+                **ReplicaPlace(group, groups, self.address, self.config, _HOST).environ()})
+            for group in range(groups)]
+
+    def forward(self, signum: int, _frame: object) -> None:
+        self.stopping.append(signum)
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    def stop_all(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.terminate()
+        for child in self.children:
+            child.wait()
+
+    def _watch_lighthouse(self) -> None:
+        lighthouse = self.lighthouse
+        if lighthouse is not None and lighthouse.process.poll() is not None \
+                and not self.stopping:
+            # It holds nothing a new one cannot rebuild from the groups' next requests.
+            _say(f"the lighthouse (pid {lighthouse.process.pid}) ended with code "
+                 f"{lighthouse.process.returncode}: started again at {lighthouse.address}")
+            lighthouse.restart()
+
+    def _lost(self, group: int, code: int) -> bool:
+        """A group's agent gave up (its restarts used up); True: the job goes on."""
+        if self.config.policy == "available":
+            _say(f"replica group {group} failed for good (exit code {code}); the others go "
+                 "on without it (policy available)")
+            return True
+        if self.fallbacks:
+            self.fallbacks -= 1
+            _say(f"replica group {group} did not come back (exit code {code}, its restarts "
+                 "used up): falling back to a restart of every group from the last "
+                 "checkpoint (policy exact)")
+            self.stop_all()
+            self.start()
+            return True
+        _say(f"replica group {group} failed for good (exit code {code}): policy exact needs "
+             "every group, so the others stop")
+        self.stop_all()
+        return False
+
+    def wait(self) -> int:
+        lost: set[int] = set()
+        finished_at: float | None = None
+        while True:
+            self._watch_lighthouse()
+            codes = [child.poll() for child in self.children]
+            if finished_at is None and 0 in codes:
+                finished_at = time.monotonic()
+            if (self.config.policy == "available" and finished_at is not None
+                    and time.monotonic() - finished_at > 2 * self.config.step_timeout_s):
+                # The job's steps are done; a replacement not yet back has none left.
+                for group, child in enumerate(self.children):
+                    if child.poll() is None:
+                        _say(f"replica group {group} had not rejoined when the others "
+                             "finished: stopped")
+                        child.terminate()
+                        child.wait()
+                codes = [0 if code is None else code for code in codes]
+            for group, code in enumerate(codes):
+                if code not in (None, 0) and group not in lost and not self.stopping:
+                    lost.add(group)
+                    if not self._lost(group, code):
+                        return code
+                    if self.config.policy == "exact":  # every group started again
+                        lost.clear()
+                        codes = [None]
+                        break
+            if all(code is not None for code in codes):
+                if self.stopping:
+                    return 128 + self.stopping[0]
+                failed = [code for code in codes if code]
+                if self.config.policy == "available" and len(failed) < len(codes):
+                    return 0
+                return failed[0] if failed else 0
+            time.sleep(0.1)

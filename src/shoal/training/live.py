@@ -1,0 +1,92 @@
+"""A Trainer in a live job (``fault_tolerance.mode: live``): what a replacement group
+heals from, and the random seeds of each step.
+
+A replacement loads a live group's model, optimizer, scheduler, gradient scaler, counters
+and data position. Random numbers are not copied: in a live job every step draws from
+seeds of its own (run seed, step, data-parallel rank over all groups), so a replacement
+draws what the lost group would have drawn, and a step done again draws the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from shoal.errors import UsageError
+from shoal.ft import ReplicaPlace
+from shoal.ft.session import LiveSession
+from shoal.training.checkpointing import (
+    load_model_and_optimizer_state,
+    model_and_optimizer_state,
+)
+from shoal.training.harness import seed_everything
+
+Trainer = Any  # a shoal.Trainer (not imported: its module imports this one)
+
+
+def open_live(trainer: Trainer) -> LiveSession | None:
+    """This trainer's live session, when the launcher made replica groups; else None."""
+    c = trainer.config
+    place = ReplicaPlace.from_environ()
+    if place is None:
+        if c.fault_tolerance.live:
+            raise UsageError("fault_tolerance.mode 'live' needs shoal's launcher, which "
+                             "starts the replica groups and the lighthouse: run under "
+                             "`shoal run --replica-groups N` or `shoal train`")
+        return None
+    if c.strategy in ("local_sgd", "diloco") or c.parallel.pp > 1:
+        what = f"strategy '{c.strategy}'" if c.parallel.pp == 1 else "pipeline parallelism"
+        raise UsageError(f"live recovery does not support {what} yet: use "
+                         "fault_tolerance.mode 'restart'")
+    h = trainer.harness
+    h.replica_groups = (place.groups, place.group)
+    def record(step: int, **fields: Any) -> None:  # a change of who takes part, in metrics
+        if trainer._metrics is not None:
+            trainer._metrics.record("event", step, **fields)
+
+    return LiveSession(place, h.rank, h.world_size, state=lambda: live_state(trainer),
+                       load=lambda state: load_live_state(trainer, state), record=record)
+
+
+def live_state(t: Trainer) -> dict[str, Any]:
+    """Everything a replacement needs to continue exactly as a live group will."""
+    model, optimizer = model_and_optimizer_state(t.state_model, t.optimizer)
+    return {"model": model, "optimizer": optimizer,
+            "scaler": t.harness.precision.state_dict(),
+            "lr_scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler else None,
+            "global_step": t.global_step, "epoch": t.epoch, "position": t.step_position,
+            "accumulate": t.accumulate, "skipped_steps": list(t.skipped_steps)}
+
+
+def load_live_state(t: Trainer, state: dict[str, Any]) -> None:
+    load_model_and_optimizer_state(t.state_model, t.optimizer, state["model"],
+                                   state["optimizer"])
+    t.harness.precision.load_state_dict(state["scaler"])
+    if t.lr_scheduler is not None:
+        t.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    t.global_step, t.epoch, t.step_position = (state["global_step"], state["epoch"],
+                                               state["position"])
+    t.accumulate = state["accumulate"]
+    t.skipped_steps = list(state["skipped_steps"])
+
+
+def seed_step(t: Trainer) -> None:
+    """Seed this rank's random numbers for the next step."""
+    h = t.harness
+    seed_everything((t.config.seed * 1_000_003 + t.global_step) * 65_537 + h.data_rank)
+
+
+def gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's gradients (its shards under FSDP), zeros where a parameter has none, so
+    that every group sends the same tensors."""
+    grads = []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = p.grad
+        grads.append(g.to_local() if isinstance(g, DTensor) else g)
+    return grads

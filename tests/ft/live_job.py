@@ -1,0 +1,82 @@
+"""A digits job for the live-recovery tests, run by `shoal run --replica-groups R`.
+
+    live_job.py OUT STEPS [--kill GROUP:STEP[:SIGNAL]]... [--pace STEP:SECONDS]
+                [--hold STEP] [--checkpoints DIR] [--metrics DIR]
+
+Every worker writes its pid per attempt (OUT/pid.g<group>.a<attempt>.r<rank>) and, at the
+end, its model and optimizer state (OUT/final.g<group>.r<rank>.pt). ``--kill G:S`` makes
+group G's rank 0 kill itself (SIGKILL) in the forward pass of step S + 1, once (a marker
+file remembers it), i.e. mid-step, before its gradients reach the other groups.
+``--pace K:S``: after step K group 0 waits until a replacement of group 1 has started, then
+takes at least S seconds per step (so that the replacement rejoins before the run ends,
+under policy 'available'). ``--hold K``: after step K group 0 writes OUT/held and waits for
+OUT/go (the test does something to the job meanwhile).
+"""
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+import shoal
+from shoal.examples.digits import build_data, build_model
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("steps", type=int)
+parser.add_argument("--kill", action="append", default=[])
+parser.add_argument("--pace", default=None)
+parser.add_argument("--metrics", default=None, help="write step metrics to this directory")
+parser.add_argument("--checkpoints", default=None, help="checkpoint every step, resume: auto")
+parser.add_argument("--hold", type=int, default=None,
+                    help="after this step group 0 writes OUT/held and waits for OUT/go")
+args = parser.parse_args()
+out = Path(args.out)
+shoal.init("gloo")
+group = int(os.environ.get("SHOAL_FT_GROUP", "0"))
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+rank = shoal.rank()
+(out / f"pid.g{group}.a{attempt}.r{rank}").write_text(str(os.getpid()))
+model = build_model(hidden=64)
+trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch_size=16,
+                        progress=False, max_steps=args.steps,
+                        metrics={"dir": args.metrics} if args.metrics else {"enabled": False},
+                        **({"checkpoint_dir": args.checkpoints, "checkpoint_every": 1,
+                            "resume": "auto"} if args.checkpoints else {}))
+for spec in args.kill:
+    g, step, *sig = spec.split(":")
+    if int(g) == group and rank == 0:
+        signum = getattr(signal, sig[0]) if sig else signal.SIGKILL
+        marker = out / f"killed.{spec}"
+
+        def kill(*_, step=int(step), signum=signum, marker=marker):
+            if trainer.global_step == step and not marker.exists():  # once per --kill
+                marker.write_text("")
+                os.kill(os.getpid(), signum)
+        model.register_forward_pre_hook(kill)
+if args.pace and group == 0:
+    import time
+
+    after, seconds = args.pace.split(":")
+
+    def pace(*_):
+        if trainer.global_step >= int(after):
+            while not (out / "pid.g1.a1.r0").exists():
+                time.sleep(0.05)
+            time.sleep(float(seconds))
+    trainer.optimizer.register_step_post_hook(pace)
+if args.hold is not None and group == 0:
+    import time
+
+    def hold(*_):
+        if trainer.global_step == args.hold and not (out / "go").exists():
+            (out / "held").write_text("")
+            while not (out / "go").exists():
+                time.sleep(0.05)
+    trainer.optimizer.register_step_post_hook(hold)
+trainer.fit(build_data()[0])
+torch.save({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+            "step": trainer.global_step},
+           out / f"final.g{group}.r{rank}.pt")

@@ -1,0 +1,70 @@
+"""Live-recovery settings are refused in one line when they cannot work."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+import torch
+
+from shoal.cli.run import live_settings
+from shoal.errors import UsageError
+from shoal.ft import FaultToleranceConfig, ReplicaPlace
+from shoal.ft.engine import check_available
+
+
+def _flags(**given) -> argparse.Namespace:
+    return argparse.Namespace(**{"replica_groups": None, "ft_policy": None,
+                                 "lighthouse": None, **given})
+
+
+def test_timeouts_must_be_ordered():
+    with pytest.raises(UsageError, match="heartbeat_timeout_ms 20000 must be shorter than "
+                                         "step_timeout_s 10"):
+        FaultToleranceConfig.build(heartbeat_timeout_ms=20000)
+    with pytest.raises(UsageError, match="step_timeout_s 200.0 must be shorter than "
+                                         "replacement_timeout_s 120"):
+        FaultToleranceConfig.build(step_timeout_s=200)
+
+
+def test_replica_groups_choose_live_mode_and_the_flags_win():
+    config = live_settings(_flags(replica_groups=3, ft_policy="available"),
+                           FaultToleranceConfig(step_timeout_s=5))
+    assert (config.mode, config.replica_groups, config.policy, config.step_timeout_s) == (
+        "live", 3, "available", 5)
+    assert not live_settings(_flags()).live  # today's restart stays the default
+
+
+@pytest.mark.parametrize("flags, message", [
+    (_flags(ft_policy="exact"), "--ft-policy and --lighthouse are settings of live mode"),
+    (_flags(replica_groups=1), "live mode needs at least 2 replica groups"),
+])
+def test_live_flags_that_cannot_work_are_refused(flags, message):
+    with pytest.raises(UsageError, match=message):
+        live_settings(flags)
+
+
+def test_a_place_round_trips_through_the_environment():
+    place = ReplicaPlace(1, 2, "http://127.0.0.1:1234",
+                         FaultToleranceConfig(mode="live", replica_groups=2), "127.0.0.1")
+    assert ReplicaPlace.from_environ(place.environ()) == place
+    assert ReplicaPlace.from_environ({}) is None
+
+
+def test_live_mode_without_the_launcher_is_one_line(single_process):
+    import shoal
+
+    model = torch.nn.Linear(4, 2)
+    trainer = shoal.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            progress=False, fault_tolerance={"mode": "live"})
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+    with pytest.raises(UsageError, match="fault_tolerance.mode 'live' needs shoal's launcher"):
+        trainer.fit(data)
+
+
+def test_missing_torchft_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    with pytest.raises(UsageError, match=r"live recovery needs torchft: pip install "
+                                         r"shoal\[ft\]"):
+        check_available()
