@@ -48,6 +48,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         "progress for this long (default 600; 0 turns it off)")
     parser.add_argument("--debug", action="store_true",
                         help="check each collective across ranks (op, shapes, dtypes)")
+    parser.add_argument("--no-preload", dest="preload", action="store_false",
+                        help="start each worker as a new python process instead of forking "
+                        "it from a server that has imported torch (Linux; restarts are "
+                        "slower then)")
 
 
 def add_fetch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +162,7 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
         log_dir=args.log_dir,
         hang_timeout=args.hang_timeout or None,
         debug=args.debug,
+        preload=args.preload,
     )
 
 

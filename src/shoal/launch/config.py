@@ -71,6 +71,10 @@ class LaunchSpec:
     """Report and stop the job when no rank made progress for this long (None: never)."""
     debug: bool = False
     """Check every collective across ranks (operation, shapes, dtypes); slower."""
+    preload: bool = True
+    """Fork the workers from a server that has imported torch once (Linux), so that a
+    restarted worker starts in a fraction of a second; False: each worker is a new
+    ``python`` process (shoal.launch.worker_start)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
