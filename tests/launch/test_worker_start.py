@@ -46,6 +46,7 @@ def _restart_once(tmp_path, preload: bool) -> dict[str, dict]:
     result = run_shoal("run", "--nproc-per-node", "2", "--max-restarts", "1", *flags,
                        str(script), str(out), "rank${local_rank}", cwd=str(tmp_path), env=env)
     assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
     assert processes_with(script.name) == []
     return {p.name[len("seen_"):]: json.loads(p.read_text()) for p in out.iterdir()}
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from shoal.launch.config import LaunchSpec
 from shoal.launch.forkserver import in_callers_environment, start_method
-from shoal.launch.worker import run_forked
 
 
 @dataclass(frozen=True)
@@ -49,6 +48,10 @@ def worker_start(spec: LaunchSpec) -> WorkerStart:
     command."""
     argv = worker_argv(spec)[2:]  # what shoal.launch.worker itself is given
     if spec.preload and start_method() == "forkserver":
+        # Not at the top: `python -m shoal.launch.worker` imports this package first, and
+        # runpy warns of a module found imported before it runs.
+        from shoal.launch.worker import run_forked
+
         # The arguments one by one, so that elastic substitutes ${local_rank} in them as it
         # does in a command's.
         return WorkerStart(in_callers_environment,
