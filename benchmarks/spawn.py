@@ -49,10 +49,10 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--calls", type=int, default=4)
     args = parser.parse_args()
-    real = spawn_module._start_method
-    spawn_module._start_method = lambda: "spawn"
+    real = spawn_module.start_method
+    spawn_module.start_method = lambda: "spawn"
     spawned = timed_calls(args.nproc, args.calls)
-    spawn_module._start_method = real
+    spawn_module.start_method = real
     forked = timed_calls(args.nproc, args.calls)
     print(f"shoal.spawn of {args.nproc} processes, {args.calls} calls each way, wall time:")
     print(f"  spawned (each imports torch)   first {spawned[0]:5.2f} s, then median "

@@ -60,6 +60,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lighthouse", default=None, metavar="http://HOST:PORT",
                         help="live mode: a running torchft lighthouse (default: one is "
                         "started for the job)")
+    parser.add_argument("--no-preload", dest="preload", action="store_false",
+                        help="start each worker as a new python process instead of forking "
+                        "it from a server that has imported torch (Linux; restarts are "
+                        "slower then)")
 
 
 def add_fetch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,6 +200,7 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
         debug=args.debug,
         replica_groups=live.replica_groups or 1 if live.live else 1,
         fault_tolerance=live,
+        preload=args.preload,
     )
 
 

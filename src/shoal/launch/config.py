@@ -77,6 +77,10 @@ class LaunchSpec:
     (``nproc_per_node`` each) and its own restarts."""
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     """Restart (default) or live recovery, and live mode's policy and timeouts."""
+    preload: bool = True
+    """Fork the workers from a server that has imported torch once (Linux), so that a
+    restarted worker starts in a fraction of a second; False: each worker is a new
+    ``python`` process (shoal.launch.worker_start)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:

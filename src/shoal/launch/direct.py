@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from shoal.clusters.detect import ClusterEnv
 from shoal.launch.config import LaunchSpec
-from shoal.launch.launcher import _worker_argv
+from shoal.launch.worker_start import worker_argv
 
 IN_PLACE_VARIABLE = "SHOAL_IN_PLACE"
 """Tells the worker bootstrap that no shoal launcher is its parent (none to die with)."""
@@ -50,4 +50,4 @@ def run_in_place(spec: LaunchSpec, cluster: ClusterEnv) -> NoReturn:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *_worker_argv(spec)])
+    os.execv(sys.executable, [sys.executable, *worker_argv(spec)])

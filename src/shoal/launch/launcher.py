@@ -22,6 +22,7 @@ from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
 from shoal.launch.ports import check_port_free
 from shoal.launch.summary import report_failure
+from shoal.launch.worker_start import WorkerStart, worker_start
 from shoal.runtime.compat import cheap_rendezvous_event_names, has_shutdown_grace
 
 SHUTDOWN_TIMEOUT_S = 60
@@ -91,12 +92,13 @@ def second_round_possible(spec: LaunchSpec) -> bool:
     return spec.max_restarts > 0 or (spec.min_nodes or spec.nnodes) != spec.nnodes
 
 
-def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = None
-                        ) -> LaunchConfig:
+def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = None,
+                        start: WorkerStart | None = None) -> LaunchConfig:
     """Map the validated spec onto torch's own LaunchConfig.
 
     ``address``: this node's address as the other nodes reach it (multi-node). The node
-    that gets rank 0 tells the workers of every node to meet there (MASTER_ADDR)."""
+    that gets rank 0 tells the workers of every node to meet there (MASTER_ADDR).
+    ``start``: how the workers start (shoal.launch.worker_start)."""
     if spec.rdzv_endpoint:
         rdzv_backend, endpoint, run_id = "c10d", spec.rdzv_endpoint, spec.rdzv_id
         rdzv_configs = {"last_call_timeout": spec.rdzv_last_call}
@@ -125,6 +127,7 @@ def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = No
         rdzv_configs=rdzv_configs,
         max_restarts=spec.max_restarts,
         monitor_interval=spec.monitor_interval,
+        start_method=(start or worker_start(spec)).start_method,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL),
         log_line_prefix_template="[rank${rank}]: ",
         # SIGUSR1 too (SLURM's warning before the end): the agent passes the signal on to
@@ -170,13 +173,6 @@ def _start_node_watch(spec: LaunchSpec) -> NodeWatch | None:
     return watch
 
 
-def _worker_argv(spec: LaunchSpec) -> list[str]:
-    argv = ["-m", "shoal.launch.worker"]
-    if spec.module:
-        argv.append("-m")
-    return [*argv, spec.entry, *spec.args]
-
-
 def quiet_torch_logs() -> None:
     # The agent logs every state change; shoal prints its own summary instead.
     # torch gives each of its modules a logger with its own level, so set them one by one.
@@ -206,13 +202,15 @@ def launch(spec: LaunchSpec) -> int:
     # A folder of its own for every launch, also inside a reused --log-dir, so that the
     # failure summary never reads an older job's error files.
     log_dir = _new_log_dir(spec.log_dir)
-    config = build_launch_config(spec, log_dir, nodes.address if nodes else None)
     if spec.debug:
         # torch checks every collective's fingerprint across ranks and names a mismatch.
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     watch = _start_hang_watch(spec, log_dir, nodes)
+    # Last, once every variable for the workers is set: forked workers get this environment.
+    start = worker_start(spec)
+    config = build_launch_config(spec, log_dir, nodes.address if nodes else None, start)
     try:
-        elastic_launch(config, sys.executable)(*_worker_argv(spec))
+        elastic_launch(config, start.entrypoint)(*start.args)
     except SignalException as exc:
         sys.stderr.write(f"shoal: stopped by {signal.Signals(exc.sigval).name}: the signal "
                          "went on to the workers (a Trainer with a checkpoint_dir saves "

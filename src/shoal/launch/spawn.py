@@ -15,10 +15,8 @@ it is imported (e.g. TORCH_COMPILE_DISABLE) stay as they were when the server st
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -29,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shoal.errors import UsageError
+from shoal.launch.forkserver import in_callers_environment, start_method
 from shoal.launch.summary import classify, collect_failures, first_traceback, root_cause
 
 
@@ -41,43 +40,6 @@ class WorkerFailedError(RuntimeError):
         self.traceback = traceback
         detail = f"\n{traceback}" if traceback else ""
         super().__init__(f"rank {rank} failed ({cause}){detail}")
-
-
-PRELOAD = ["torch", "torch._dynamo", "shoal.launch.spawn"]
-# What torch.distributed.elastic sets for each worker it starts from a function.
-ELASTIC_KEYS = frozenset({
-    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
-    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
-_SERVER_ENV = dict(os.environ)  # in a forkserver's children: the server's environment
-_IMPORTED_BY = os.getpid()
-
-
-def _start_method() -> str:
-    # Linux only: on macOS, forking a process that has imported torch is unsafe.
-    if sys.platform != "linux" or "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    # Not the caller's __main__: from Python 3.13.8 on a server would run the caller's
-    # script, before torch and with the first call's environment. A server that is already
-    # running keeps what it has preloaded.
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    return "forkserver"
-
-
-def _in_callers_environment(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn(*args)`` in the environment ``env`` of the caller of spawn, plus what
-    torch.distributed.elastic set for this process (RANK, MASTER_ADDR, ...)."""
-    ours = {k: v for k, v in os.environ.items() if k in ELASTIC_KEYS}
-    if _IMPORTED_BY != os.getpid():
-        # Forked from a server that preloaded this module: what differs from the server's
-        # environment was set by elastic too.
-        ours.update({k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v})
-    os.environ.clear()
-    os.environ.update(env)
-    os.environ.update(ours)
-    return fn(*args)
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
@@ -100,7 +62,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
         rdzv_configs={},
         max_restarts=max_restarts,
         monitor_interval=0.05,
-        start_method=_start_method(),
+        start_method=start_method(),
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         local_addr="127.0.0.1",
     )
@@ -109,7 +71,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
     quiet_torch_logs()
     fresh_store_per_attempt(max_restarts > 0)
     try:
-        results = elastic_launch(config, _in_callers_environment)(dict(os.environ), fn, *args)
+        results = elastic_launch(config, in_callers_environment)(dict(os.environ), fn, *args)
     except ChildFailedError as failed:
         rank, failure = root_cause(collect_failures(failed, log_dir))
         raise WorkerFailedError(rank, classify(failure).text,

@@ -72,7 +72,7 @@ def first_traceback(failure: ProcessFailure, log_dir: str) -> str | None:
 
 # Errors a rank raises because another rank died: never the root cause while a rank with an
 # error of its own exists.
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote worker",
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote worker",
               "Broken pipe", "NCCL communicator was aborted")
 
 
@@ -107,7 +107,7 @@ def classify(failure: ProcessFailure) -> Cause:
         if code.lstrip("-").isdigit():
             return Cause(f"exit code {code}", int(code) or 1, own=True)
         return Cause(f"exit code 1 (sys.exit: {code[:200]})", 1, own=True)
-    if message and any(marker in message for marker in _PEER_LOST):
+    if message and any(marker in message for marker in PEER_LOST):
         first = _SOURCE_PATH.sub("", message.splitlines()[0])[:160]
         return Cause(f"lost its connection to a failed rank: {first}", 1, own=False)
     if message:

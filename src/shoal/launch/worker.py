@@ -1,6 +1,8 @@
 """Worker bootstrap: runs the user's script or module exactly as ``python`` would.
 
-The launcher starts ``python -m shoal.launch.worker [-m] ENTRY ARGS...``. Running the user's
+The launcher starts ``python -m shoal.launch.worker [-m] ENTRY ARGS...``, or on Linux forks
+the worker from a server that has imported torch and calls ``run_forked`` (see
+shoal.launch.preload). Running the user's
 code under torch's ``record`` writes any uncaught exception with its traceback to the error
 file torch.distributed.elastic gives each worker, so the launcher can report it by rank.
 """
@@ -14,11 +16,20 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
+
+import setproctitle
 
 from shoal.launch.frames import OWN_FRAMES
 
+# setproctitle finds the command line it rewrites through the environment, which a forked
+# worker has changed by the time it names itself; done here, in the server that preloads
+# this module, it is found before.
+setproctitle.getproctitle()
+
 _PR_SET_PDEATHSIG = 1
+_PEER_WAIT_S = 2.0  # many times the agent's monitor interval
 
 
 def _is_own_frame(filename: str) -> bool:
@@ -69,7 +80,8 @@ def _shut_down(namespace: dict) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
+def _bootstrap(argv: list[str], forked: bool = False) -> None:
+    """Run the user's code; return once it finished well, after its atexit handlers."""
     # Run in place of a scheduler's task (shoal.launch.direct), no launcher is the parent:
     # a parent of pid 1 (tini, a container's init) is then no sign of a dead launcher.
     if os.environ.pop("SHOAL_IN_PLACE", None) != "1":
@@ -84,7 +96,7 @@ def main() -> None:
     try:
         # record() writes the error file that the launcher's failure summary reads.
         # record() turns sys.exit(0) into None: nothing left to shut down then but the group.
-        _shut_down(record(_run)(sys.argv[1:]) or {})
+        _shut_down(record(_run)(argv) or {})
     except SystemExit as exc:
         if exc.code not in (0, None):
             # Recorded so the launcher knows this rank chose to exit, even if it is stopped
@@ -97,21 +109,69 @@ def main() -> None:
         traceback.print_exception(type(exc), exc, _user_traceback(exc.__traceback__))
         sys.stdout.flush()
         sys.stderr.flush()
+        if forked:
+            _let_the_peer_be_seen_first(exc)
         os._exit(1)
-    _exit_now()
-
-
-def _exit_now() -> None:
-    """Exit 0 without the interpreter's finalization (atexit handlers still run).
-
-    Even with the group destroyed, objects of torch's C++ side torn down by static
-    destructors at finalization abort the process now and then ("terminate called without
-    an active exception"), and a finished job reads as failed.
-    """
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def main() -> None:
+    """``python -m shoal.launch.worker [-m] ENTRY ARGS...``: a worker started as a command."""
+    _bootstrap(sys.argv[1:])
+    # Exit 0 without the interpreter's finalization: even with the group destroyed, objects
+    # of torch's C++ side torn down by static destructors at finalization abort the process
+    # now and then ("terminate called without an active exception"), and a finished job
+    # reads as failed.
     os._exit(0)
+
+
+def _let_the_server_go() -> None:
+    """Close this process's handle on the forkserver, inherited so that it could start
+    processes of its own there: with it open, the server outlives a killed launcher, and so
+    do the workers, whose parent (the server) must die for them to get PDEATHSIG."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+    # The next use from here starts a server of this process's own.
+    server._forkserver_alive_fd = server._forkserver_address = None
+
+
+def _let_the_peer_be_seen_first(exc: BaseException) -> None:
+    """A rank that failed only because a peer died waits a moment before it exits.
+
+    torch's agent reports only the first forked worker it finds ended (a worker started as
+    a command, it reports with every other one that ended by then): without the wait, the
+    rank that lost its peer could be named in place of the peer killed first. The error is
+    recorded already; the agent stops this rank when it has seen the peer.
+    """
+    from shoal.launch.summary import PEER_LOST
+
+    if any(marker in str(exc) for marker in PEER_LOST):
+        time.sleep(_PEER_WAIT_S)
+
+
+def run_forked(cwd: str, *argv: str) -> None:
+    """The same bootstrap in a worker forked from the launcher's preloaded server
+    (shoal.launch.worker_start), called by torch.distributed.elastic as a function.
+
+    Returning hands elastic the (empty) result; multiprocessing then ends the process with
+    ``os._exit``, without the interpreter's finalization, as ``main`` does.
+    """
+    _let_the_server_go()
+    # ps, top and kill by name see the worker as they would one started as a command, and
+    # not as the server (whose command line it inherits).
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", "shoal.launch.worker", *argv]))
+    # A session of its own, as elastic gives a worker it starts as a command: a Ctrl-C in
+    # the terminal reaches the launcher, which passes it on, and not the worker twice.
+    os.setsid()
+    # The server's directory and sys.path[0] are the launcher's; be where `python -m` is.
+    os.chdir(cwd)
+    sys.path[0] = cwd
+    _bootstrap(list(argv), forked=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""The server that shoal.spawn and `shoal run` fork their worker processes from (Linux).
+
+The server (Python's "forkserver" start method) imports torch and torch._dynamo (every
+optimizer imports it) once, and lives as long as the process that started it: a process
+forked from it starts in a fraction of a second instead of importing torch again (about 4 s
+of CPU each on a small machine).
+
+A forked process starts with the server's environment, which is its starter's as it was
+when the server started; ``in_callers_environment`` gives it the environment its caller
+passes, with what torch.distributed.elastic set for it on top. Settings that torch reads
+once when it is imported (e.g. TORCH_COMPILE_DISABLE) stay as they were when the server
+started.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# shoal.training.trainer: what a training script imports next (over 1 s here).
+PRELOAD = ["torch", "torch._dynamo", "shoal.launch.forkserver", "shoal.launch.worker",
+           "shoal.training.trainer"]
+# What torch.distributed.elastic sets for each worker it starts from a function.
+ELASTIC_KEYS = frozenset({
+    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
+_SERVER_ENV = dict(os.environ)  # in a forkserver's children: the server's environment
+_IMPORTED_BY = os.getpid()
+
+
+def start_method() -> str:
+    """"forkserver" where processes can be forked from the preloaded server, else "spawn"."""
+    # Linux only: on macOS, forking a process that has imported torch is unsafe.
+    if sys.platform != "linux" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    # Not the caller's __main__: from Python 3.13.8 on a server would run the caller's
+    # script, before torch and with the first call's environment. A server that is already
+    # running keeps what it has preloaded.
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
+def in_callers_environment(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` in the environment ``env`` of the caller (of shoal.spawn, or the
+    launcher), plus what torch.distributed.elastic set for this process (RANK, ...)."""
+    ours = {k: v for k, v in os.environ.items() if k in ELASTIC_KEYS}
+    if _IMPORTED_BY != os.getpid():
+        # Forked from a server that preloaded this module: what differs from the server's
+        # environment was set by elastic too.
+        ours.update({k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v})
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(ours)
+    return fn(*args)

@@ -1,0 +1,59 @@
+"""How the elastic agent starts a worker of `shoal run`: forked, or as a new command.
+
+On Linux each worker is forked from a server process that has imported torch and
+torch._dynamo (every optimizer imports it) once (shoal.launch.forkserver), which lives as
+long as the launcher: a worker restarted after a failure (``--max-restarts``) starts in a
+fraction of a second instead of importing torch again. It gets the launcher's environment as
+it was when the job started, with what torch.distributed.elastic sets for it on top, and the
+launcher's working directory, as a worker started as a command does. Settings that torch
+reads once when it is imported stay as they were when the server started.
+
+Elsewhere, or with ``--no-preload``, each worker is a new process,
+``python -m shoal.launch.worker [-m] ENTRY ARGS...``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shoal.launch.config import LaunchSpec
+from shoal.launch.forkserver import in_callers_environment, start_method
+
+
+@dataclass(frozen=True)
+class WorkerStart:
+    """What elastic_launch is given to start each worker."""
+
+    entrypoint: str | Callable
+    """A command (the Python interpreter) or a function run in a forked process."""
+    args: tuple
+    """The command's arguments, or the function's."""
+    start_method: str
+    """How a function's process is started ("forkserver" or "spawn"); unused for a command."""
+
+
+def worker_argv(spec: LaunchSpec) -> list[str]:
+    """``-m shoal.launch.worker [-m] ENTRY ARGS...``: the worker as a Python command."""
+    argv = ["-m", "shoal.launch.worker"]
+    if spec.module:
+        argv.append("-m")
+    return [*argv, spec.entry, *spec.args]
+
+
+def worker_start(spec: LaunchSpec) -> WorkerStart:
+    """Forked from the preloaded server where there is one and ``spec.preload``, else a
+    command."""
+    argv = worker_argv(spec)[2:]  # what shoal.launch.worker itself is given
+    if spec.preload and start_method() == "forkserver":
+        # Not at the top: `python -m shoal.launch.worker` imports this package first, and
+        # runpy warns of a module found imported before it runs.
+        from shoal.launch.worker import run_forked
+
+        # The arguments one by one, so that elastic substitutes ${local_rank} in them as it
+        # does in a command's.
+        return WorkerStart(in_callers_environment,
+                           (dict(os.environ), run_forked, os.getcwd(), *argv), "forkserver")
+    return WorkerStart(sys.executable, tuple(worker_argv(spec)), "spawn")

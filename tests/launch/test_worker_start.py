@@ -1,0 +1,76 @@
+"""Workers of `shoal run` are forked from a server that has imported torch (Linux): a worker
+restarted after a failure starts without importing torch again, and sees what a worker
+started as a new process (--no-preload) sees: environment, arguments, directory, sys.path."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from tests.helpers import processes_with, run_shoal
+
+SCRIPT = textwrap.dedent("""\
+    import json, os, signal, sys, time
+    preloaded = "torch._dynamo" in sys.modules  # before the script imported anything
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT",
+            "SHOAL_TEST_MARK", "OMP_NUM_THREADS"]
+    seen = {"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv,
+            "cwd": os.getcwd(), "path0": sys.path[0], "preloaded": preloaded,
+            "parent": os.getppid(), "session": os.getsid(0) == os.getpid()}
+    with open(os.path.join(sys.argv[1], f"seen_{attempt}_{os.environ['RANK']}"), "w") as f:
+        json.dump(seen, f)
+    if attempt == "0" and os.environ["RANK"] == "1":
+        while not os.path.exists(os.path.join(sys.argv[1], "seen_0_0")):
+            time.sleep(0.05)  # rank 0 got this far too
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def _restart_once(tmp_path, preload: bool) -> dict[str, dict]:
+    """Run SCRIPT on 2 ranks with one restart (rank 1 is killed in attempt 0); what each
+    rank of each attempt saw, by "attempt_rank"."""
+    out = tmp_path / ("forked" if preload else "command")
+    out.mkdir()
+    script = tmp_path / "job_worker_start.py"
+    script.write_text(SCRIPT)
+    # Variables elastic sets for each worker, already in the launcher's environment:
+    # elastic's values must win.
+    env = {"SHOAL_TEST_MARK": "from the launcher", "TORCHELASTIC_RESTART_COUNT": "7",
+           "GROUP_RANK": "5"}
+    flags = [] if preload else ["--no-preload"]
+    result = run_shoal("run", "--nproc-per-node", "2", "--max-restarts", "1", *flags,
+                       str(script), str(out), "rank${local_rank}", cwd=str(tmp_path), env=env)
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
+    assert processes_with(script.name) == []
+    return {p.name[len("seen_"):]: json.loads(p.read_text()) for p in out.iterdir()}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_a_restarted_worker_is_forked_and_sees_what_a_new_process_sees(tmp_path):
+    forked = _restart_once(tmp_path, preload=True)
+    command = _restart_once(tmp_path, preload=False)
+    assert sorted(forked) == sorted(command) == ["0_0", "0_1", "1_0", "1_1"]
+    assert all(seen["preloaded"] for seen in forked.values()), "torch was imported again"
+    assert not any(seen["preloaded"] for seen in command.values())
+    # Every worker of both attempts forked from one server, which outlived the restart.
+    assert len({seen["parent"] for seen in forked.values()}) == 1
+    for key, seen in forked.items():
+        attempt, rank = key.split("_")
+        assert seen["env"] == {
+            "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": "2", "GROUP_RANK": "0",
+            "TORCHELASTIC_RESTART_COUNT": attempt, "SHOAL_TEST_MARK": "from the launcher",
+            "OMP_NUM_THREADS": "1"}
+        assert seen["argv"][2] == f"rank{rank}"  # ${local_rank} substituted, as for a command
+        assert seen["cwd"] == str(tmp_path)
+        assert seen["path0"] == os.path.dirname(seen["argv"][0])
+        assert seen["session"]  # a Ctrl-C in the terminal reaches only the launcher
+        # The same as a worker started as a new process (but for the folder it writes to).
+        assert seen["argv"][::2] == command[key]["argv"][::2]
+        for field in ("env", "cwd", "path0", "session"):
+            assert seen[field] == command[key][field], field
