@@ -31,6 +31,8 @@ def _group_command(spec: LaunchSpec, group: int) -> list[str]:
         argv += ["--log-dir", os.path.join(spec.log_dir, f"group{group}")]
     if spec.debug:
         argv.append("--debug")
+    if not spec.preload:
+        argv.append("--no-preload")
     if spec.module:
         argv.append("-m")
     return [*argv, spec.entry, *spec.args]
