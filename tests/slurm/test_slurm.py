@@ -122,7 +122,8 @@ def test_a_node_whose_steps_are_killed_is_named_and_the_job_fails(slurm_cluster,
                 killed.append(pid)
         except (FileNotFoundError, ProcessLookupError):
             pass
-    assert len(killed) == 2, killed
+    # shoal and its worker, and the server the worker was forked from where there is one.
+    assert len(killed) in (2, 3), killed
     state = slurm_cluster.wait(job, timeout=120)
     log = _log(tmp_path, job)
     # srun's status is its worst task's: 128 + SIGKILL on host1.

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
 # shoal.training.trainer: what a training script imports next (over 1 s here).
-PRELOAD = ["torch", "torch._dynamo", "shoal.launch.forkserver", "shoal.launch.worker",
-           "shoal.training.trainer"]
+PRELOAD = ["shoal.launch.forkserver_start", "torch", "torch._dynamo", "shoal.launch.forkserver",
+           "shoal.launch.worker", "shoal.training.trainer"]
+# What a scheduler sends every process of a job step; the server ignores them
+# (shoal.launch.forkserver_start) and the processes forked from it handle them as usual.
+STEP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 # What torch.distributed.elastic sets for each worker it starts from a function.
 ELASTIC_KEYS = frozenset({
     "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
@@ -57,4 +61,6 @@ def in_callers_environment(env: dict[str, str], fn: Callable[..., Any], *args: A
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(ours)
+    for signum in STEP_SIGNALS:  # the server ignores them; this process does not
+        signal.signal(signum, signal.SIG_DFL)
     return fn(*args)
