@@ -116,8 +116,10 @@ def test_available_goes_on_without_the_killed_group(tmp_path, ddp_run):
     are said and counted in metrics, the replacement heals and rejoins, and the run ends
     within the stated tolerance of the run without failures."""
     live = tmp_path / "live"
+    # New processes (--no-preload): a replacement forked from the preloaded server can be
+    # back before the survivor's next step, and then no step goes on without it.
     output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "1",
-                                "--ft-policy", "available",
+                                "--ft-policy", "available", "--no-preload",
                                 job=("--kill", "1:6", "--pace", "9:0.3",
                                      "--metrics", str(tmp_path / "metrics"))))
     assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
