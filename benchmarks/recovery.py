@@ -5,10 +5,11 @@
    (`shoal run --nproc-per-node 2 --max-restarts K`, a checkpoint every 50 steps), live exact and
    live available (`--replica-groups 2`), and once without kills (2-process DDP, the
    reference). Per mode: the survivors' pause per kill (to the other worker's next committed
-   step), the time until the replacement commits a step again, steps lost, restarts of
-   workers that were not killed, bitwise equality with the reference (not for 'available'),
-   goodput (committed steps per second against the same mode without kills), the mode's
-   step rate without kills against DDP's, and the bytes and time of each heal.
+   step past the killed worker's last one, or its first in a new process), the time until
+   the replacement commits a step again, steps lost, restarts of workers that were not
+   killed, bitwise equality with the reference (not for 'available'), goodput (committed
+   steps per second against the same mode without kills), the mode's step rate without
+   kills against DDP's, the bytes and time of each heal, and the run's length.
    `--json FILE` writes them, one object per mode.
 2. Save: a model + AdamW state of --state-mb megabytes (>= 500), saved by one process:
    synchronous save time, asynchronous save's blocking time (target <= 10 % of the
@@ -16,7 +17,7 @@
    time, and save throughput against the disk's raw write
    speed measured in the same run with dd (conv=fdatasync), --repeats times, medians.
 
-    python benchmarks/recovery.py [--steps 12000] [--kills 6] [--seed 0] [--json FILE]
+    python benchmarks/recovery.py [--steps 14000] [--kills 6] [--seed 0] [--json FILE]
                                   [--no-save] [--state-mb 540] [--repeats 3]
 """
 
@@ -131,7 +132,13 @@ def _figures(mode: str, out: Path, schedule: list[tuple[int, int]], baseline: Pa
         killed = float((out / f"kill_{i}").read_text())
         before = max(step for t, step, _, _ in rows if t < killed)
         after = [(t, step, slot) for t, step, slot, _ in rows if t > killed]
-        pauses.append(next(t for t, _, slot in after if slot != victim) - killed)
+        last = max(step for t, step, slot, _ in rows if t < killed and slot == victim)
+        pids = {slot: pid for t, _, slot, pid in rows if t < killed}
+        # A survivor's pause ends with its first step past the victim's last one, or its
+        # first step in a new process (restart); a step it was still finishing when the
+        # victim died is not the end of a pause.
+        pauses.append(next(t for t, step, slot, pid in rows if t > killed and slot != victim
+                           and (step > last or pid != pids[slot])) - killed)
         # None: the others finished before the replacement took part (policy available).
         rejoins.append(next((t for t, _, slot in after if slot == victim), None))
         if rejoins[-1] is not None:
@@ -149,7 +156,7 @@ def _figures(mode: str, out: Path, schedule: list[tuple[int, int]], baseline: Pa
             "rejoin_s": statistics.median(back) if back else None, "steps_lost": lost,
             "survivor_restarts": restarts - len(done),
             "equal": same if mode != "live available" else None,
-            "goodput": _rate(out) / calm_rate,
+            "goodput": _rate(out) / calm_rate, "seconds": rows[-1][0] - rows[0][0],
             "healed_bytes": statistics.median([h["bytes"] for h in healed]) if healed else 0,
             "heal_s": statistics.median([h["seconds"] for h in healed]) if healed else None,
             "pauses_s": pauses, "rejoins_s": rejoins}
@@ -246,17 +253,19 @@ def _print_recovery(results: list[dict], steps: int, kills: int) -> None:
     print(f"recovery: a {steps}-step digits job on 2 data-parallel workers, {kills} SIGKILLs "
           "of a random worker at random steps, the same kills each way")
     print(f"  {'mode':<16}{'pause (s)':>10}{'rejoin (s)':>11}{'lost':>6}{'restarts':>9}"
-          f"{'equal':>7}{'goodput':>9}{'healed':>10}{'heal (s)':>9}{'kills':>6}")
+          f"{'equal':>7}{'goodput':>9}{'healed':>10}{'heal (s)':>9}{'kills':>6}{'run (s)':>8}")
     for r in results:
         heal = f"{r['heal_s']:.2f}" if r["heal_s"] is not None else "-"
         rejoin = f"{r['rejoin_s']:.2f}" if r["rejoin_s"] is not None else "-"
         print(f"  {r['mode']:<16}{r['survivor_pause_s']:>10.2f}{rejoin:>11}"
               f"{r['steps_lost']:>6}{r['survivor_restarts']:>9}{str(r['equal']):>7}"
-              f"{r['goodput']:>9.2f}{r['healed_bytes'] / 2**20:>8.2f}MB{heal:>9}{r['kills']:>6}")
+              f"{r['goodput']:>9.2f}{r['healed_bytes'] / 2**20:>8.2f}MB{heal:>9}{r['kills']:>6}"
+              f"{r['seconds']:>8.0f}")
     for r in results:
         print(f"  {r['mode']}: without kills, {r['rate_vs_ddp']:.2f} x the step rate of "
               "2-process DDP")
-    print("  pause: kill -> the other worker's next committed step (median); rejoin: kill -> "
+    print("  pause: kill -> the other worker's next step past the killed one's last, or its "
+          "first in a new process (median); rejoin: kill -> "
           "the replacement's; restarts: of workers that were not killed; goodput: committed "
           "steps per second against the same mode without kills (targets: pause <= 1.5 s, "
           "0 steps lost, 0 restarts in live modes, goodput >= 0.85)")
@@ -265,8 +274,8 @@ def _print_recovery(results: list[dict], steps: int, kills: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=12000,
-                        help="steps of the recovery job (default 12000: about 90 s here)")
+    parser.add_argument("--steps", type=int, default=14000,
+                        help="steps of the recovery job (default 14000: about 120 s here)")
     parser.add_argument("--seed", type=int, default=0, help="of the kills' steps and victims")
     parser.add_argument("--json", default=None, metavar="FILE",
                         help="write the recovery figures, one object per mode")
