@@ -133,12 +133,12 @@ def _figures(mode: str, out: Path, schedule: list[tuple[int, int]], baseline: Pa
         before = max(step for t, step, _, _ in rows if t < killed)
         after = [(t, step, slot) for t, step, slot, _ in rows if t > killed]
         last = max(step for t, step, slot, _ in rows if t < killed and slot == victim)
-        pids = {slot: pid for t, _, slot, pid in rows if t < killed}
+        pid_at_kill = {slot: pid for t, _, slot, pid in rows if t < killed}
         # A survivor's pause ends with its first step past the victim's last one, or its
         # first step in a new process (restart); a step it was still finishing when the
         # victim died is not the end of a pause.
         pauses.append(next(t for t, step, slot, pid in rows if t > killed and slot != victim
-                           and (step > last or pid != pids[slot])) - killed)
+                           and (step > last or pid != pid_at_kill[slot])) - killed)
         # None: the others finished before the replacement took part (policy available).
         rejoins.append(next((t for t, _, slot in after if slot == victim), None))
         if rejoins[-1] is not None:
