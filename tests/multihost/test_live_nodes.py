@@ -1,0 +1,89 @@
+"""Live mode across hosts: one replica group per host, a lighthouse on host 0, a host lost
+mid-run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.ft.test_live import JOB, STEPS, _equals_ddp, _final, _finish, _shoal_run
+from tests.multihost.test_multinode import _env
+
+pytest.importorskip("torchft")
+
+PORT = 29420
+
+
+def _start(hosts, rank: int, out, *flags: str):
+    argv = [sys.executable, "-m", "shoal", "run", "--nnodes", "2", "--node-rank", str(rank),
+            "--master-addr", hosts.addr(0), "--master-port", str(PORT), "--ft-mode", "live",
+            "--hang-timeout", "0", *flags, JOB, str(out), str(STEPS), "--step-sleep", "0.2"]
+    return hosts.popen(rank, argv, env=_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(out, step: int, hosts, nodes, timeout: float = 200.0) -> None:
+    """Until host 0's group has done ``step`` steps."""
+    deadline = time.monotonic() + timeout
+    marker = out / "step.g0"
+    while not (marker.exists() and marker.read_text() and int(marker.read_text()) >= step):
+        if time.monotonic() > deadline or any(n.poll() is not None for n in nodes):
+            hosts.close()
+            outputs = "\n".join(n.communicate()[0][-3000:] for n in nodes)
+            raise AssertionError(f"the job never reached step {step}:\n{outputs}")
+        time.sleep(0.1)
+
+
+def _kill_host(hosts, i: int) -> None:
+    hosts.kill_all(i)  # every process of the host at once, as a machine that dies
+    deadline = time.monotonic() + 10
+    while hosts.pids(i) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(400)
+def test_available_host_lost_the_other_goes_on(make_hosts, tmp_path):
+    """Host 1 (its launcher, agent and workers) SIGKILLed mid-run: host 0's group goes on
+    alone, says so in one line, finishes every step, and its launcher exits 0."""
+    hosts = make_hosts(2)
+    out = tmp_path / "live"
+    out.mkdir()
+    nodes = [_start(hosts, r, out, "--ft-policy", "available") for r in range(2)]
+    _wait_for_step(out, 8, hosts, nodes)
+    _kill_host(hosts, 1)
+    output = nodes[0].communicate(timeout=300)[0]
+    assert nodes[0].returncode == 0, output[-4000:]
+    assert f"lighthouse http://{hosts.addr(0)}:{PORT}" in output, output[-4000:]
+    assert f"node 0 runs replica group 0 of 2 (1 process each) at {hosts.addr(0)}" in output
+    assert "replica group 0: step" in output
+    assert "1 of 2 replica groups take part; the missing groups' samples are skipped" \
+        in output, output[-4000:]
+    assert _final(out, 0)["step"] == STEPS
+    assert not (out / "final.g1.r0.pt").exists()
+
+
+@pytest.mark.timeout(500)
+def test_exact_host_lost_comes_back_heals_and_equals_ddp(make_hosts, tmp_path):
+    """Policy exact: host 1 SIGKILLed mid-run, host 0's group waits in memory; `shoal run`
+    started again on host 1 heals from it, and both end bitwise equal to a 2-process DDP
+    run without failures."""
+    reference = tmp_path / "ddp"
+    ddp = _shoal_run(reference, "--nproc-per-node", "2")
+    hosts = make_hosts(2)
+    out = tmp_path / "live"
+    out.mkdir()
+    nodes = [_start(hosts, r, out) for r in range(2)]
+    _wait_for_step(out, 8, hosts, nodes)
+    _kill_host(hosts, 1)
+    nodes[1].communicate()
+    again = _start(hosts, 1, out)
+    outputs = [nodes[0].communicate(timeout=400)[0], again.communicate(timeout=100)[0]]
+    assert [nodes[0].returncode, again.returncode] == [0, 0], outputs
+    assert "replica group 1: healed from a live group at step" in outputs[1], outputs[1]
+    assert "waiting for node 0's lighthouse" not in outputs[1]  # it never went away
+    assert all(_final(out, group)["step"] == STEPS for group in (0, 1))
+    _finish(ddp)
+    assert _equals_ddp(out, reference)
