@@ -83,6 +83,7 @@ def test_exact_host_lost_comes_back_heals_and_equals_ddp(make_hosts, tmp_path):
     outputs = [nodes[0].communicate(timeout=400)[0], again.communicate(timeout=100)[0]]
     assert [nodes[0].returncode, again.returncode] == [0, 0], outputs
     assert "replica group 1: healed from a live group at step" in outputs[1], outputs[1]
+    assert not (out / "pid.g0.a1.r0").exists()  # host 0's group was never restarted
     assert "waiting for node 0's lighthouse" not in outputs[1]  # it never went away
     assert all(_final(out, group)["step"] == STEPS for group in (0, 1))
     _finish(ddp)
