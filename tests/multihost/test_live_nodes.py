@@ -17,10 +17,12 @@ pytest.importorskip("torchft")
 PORT = 29420
 
 
-def _start(hosts, rank: int, out, *flags: str):
+def _start(hosts, rank: int, out, *flags: str, hostname: str | None = None):
     argv = [sys.executable, "-m", "shoal", "run", "--nnodes", "2", "--node-rank", str(rank),
             "--master-addr", hosts.addr(0), "--master-port", str(PORT), "--ft-mode", "live",
             "--hang-timeout", "0", *flags, JOB, str(out), str(STEPS), "--step-sleep", "0.2"]
+    if hostname is not None:  # a name no host resolves, as on many clusters
+        argv = ["sh", "-c", f'hostname {hostname} && exec "$@"', "sh", *argv]
     return hosts.popen(rank, argv, env=_env(), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
 
@@ -49,11 +51,13 @@ def _kill_host(hosts, i: int) -> None:
 def test_available_host_lost_the_other_goes_on(make_hosts, tmp_path, loss):
     """Host 1 lost mid-run, its launcher, agent and workers SIGKILLed or its cable pulled
     out: host 0's group goes on alone, says so in one line, finishes every step, and its
-    launcher exits 0."""
+    launcher exits 0. Host 0's hostname resolves nowhere: the groups reach each other (and
+    heal) by the addresses their launchers found."""
     hosts = make_hosts(2)
     out = tmp_path / "live"
     out.mkdir()
-    nodes = [_start(hosts, r, out, "--ft-policy", "available") for r in range(2)]
+    nodes = [_start(hosts, r, out, "--ft-policy", "available",
+                    hostname="unresolvable" if r == 0 else None) for r in range(2)]
     _wait_for_step(out, 8, hosts, nodes)
     if loss == "killed":
         _kill_host(hosts, 1)
