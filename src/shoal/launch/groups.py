@@ -167,9 +167,9 @@ class _GroupJob:
             return True
         if self.groups.across_nodes:
             _say(f"replica group {group} failed for good (exit code {code}): policy exact "
-                 "needs every group; this node's launcher stops, and the other nodes' groups "
+                 "needs every group, so this node's launcher stops; the other nodes' groups "
                  f"wait {self.config.replacement_timeout_s:g} s (replacement_timeout_s) for "
-                 "`shoal run` to be started again on this node, then stop")
+                 "`shoal run` to be started again here")
         else:
             _say(f"replica group {group} failed for good (exit code {code}): policy exact "
                  "needs every group, so the others stop")
