@@ -19,10 +19,12 @@ pytest.importorskip("torchft")
 PORT = 29420
 
 
-def _start(hosts, rank: int, out, *flags: str, hostname: str | None = None):
+def _start(hosts, rank: int, out, *flags: str, hostname: str | None = None,
+           job: list[str] = ()):
     argv = [sys.executable, "-m", "shoal", "run", "--nnodes", "2", "--node-rank", str(rank),
             "--master-addr", hosts.addr(0), "--master-port", str(PORT), "--ft-mode", "live",
-            "--hang-timeout", "0", *flags, JOB, str(out), str(STEPS), "--step-sleep", "0.2"]
+            "--hang-timeout", "0", *flags, JOB, str(out), str(STEPS), "--step-sleep", "0.2",
+            *job]
     if hostname is not None:  # a name no host resolves, as on many clusters
         argv = ["sh", "-c", f'hostname {hostname} && exec "$@"', "sh", *argv]
     return hosts.popen(rank, argv, env=_env(), stdout=subprocess.PIPE,
@@ -122,3 +124,29 @@ def test_two_groups_per_host_hold_one_model_close_to_four_ddp_processes(make_hos
     alone = _final(reference, 0, 0)["model"]
     for key, value in alone.items():
         torch.testing.assert_close(final[0]["model"][key], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(400)
+def test_exact_group_lost_for_good_its_node_stops_and_comes_back(make_hosts, tmp_path):
+    """Policy exact, host 1's worker SIGKILLed mid-step with no restart left: no launcher
+    can restart every group across hosts, so host 1's launcher stops with one line (no
+    fallback); started again, its group heals and the run still ends bitwise equal to DDP."""
+    reference = tmp_path / "ddp"
+    ddp = _shoal_run(reference, "--nproc-per-node", "2")
+    hosts = make_hosts(2)
+    out = tmp_path / "live"
+    out.mkdir()
+    argv = (["--max-restarts", "0"], ["--kill", "1:6"])
+    nodes = [_start(hosts, r, out, *argv[0], job=argv[1]) for r in range(2)]
+    lost = nodes[1].communicate(timeout=200)[0]
+    assert nodes[1].returncode != 0, lost
+    assert "replica group 1 failed for good (exit code 137): policy exact needs every group, " \
+        "so this node's launcher stops" in lost, lost
+    assert "falling back" not in lost
+    again = _start(hosts, 1, out, *argv[0], job=argv[1])
+    outputs = [nodes[0].communicate(timeout=300)[0], again.communicate(timeout=100)[0]]
+    assert [nodes[0].returncode, again.returncode] == [0, 0], outputs
+    assert "replica group 1: healed from a live group at step 6" in outputs[1], outputs[1]
+    assert not (out / "pid.g0.a1.r0").exists()
+    _finish(ddp)
+    assert _equals_ddp(out, reference)
