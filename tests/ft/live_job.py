@@ -10,7 +10,9 @@ file remembers it), i.e. mid-step, before its gradients reach the other groups.
 ``--pace K:S``: after step K group 0 waits until a replacement of group 1 has started, then
 takes at least S seconds per step (so that the replacement rejoins before the run ends,
 under policy 'available'). ``--hold K``: after step K group 0 writes OUT/held and waits for
-OUT/go (the test does something to the job meanwhile).
+OUT/go (the test does something to the job meanwhile). ``--step-sleep S``: after each
+step every group writes its step to OUT/step.g<group> and sleeps S seconds (the test acts
+on a job under way).
 """
 
 import argparse
@@ -32,6 +34,7 @@ parser.add_argument("--metrics", default=None, help="write step metrics to this 
 parser.add_argument("--checkpoints", default=None, help="checkpoint every step, resume: auto")
 parser.add_argument("--hold", type=int, default=None,
                     help="after this step group 0 writes OUT/held and waits for OUT/go")
+parser.add_argument("--step-sleep", type=float, default=None)
 args = parser.parse_args()
 out = Path(args.out)
 shoal.init("gloo")
@@ -76,6 +79,13 @@ if args.hold is not None and group == 0:
             while not (out / "go").exists():
                 time.sleep(0.05)
     trainer.optimizer.register_step_post_hook(hold)
+if args.step_sleep is not None:
+    import time
+
+    def step_sleep(*_):
+        (out / f"step.g{group}").write_text(str(trainer.global_step))
+        time.sleep(args.step_sleep)
+    trainer.optimizer.register_step_post_hook(step_sleep)
 trainer.fit(build_data()[0])
 torch.save({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
             "step": trainer.global_step},

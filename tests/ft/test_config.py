@@ -15,7 +15,7 @@ from shoal.ft.engine import check_available
 
 
 def _flags(**given) -> argparse.Namespace:
-    return argparse.Namespace(**{"replica_groups": None, "ft_policy": None,
+    return argparse.Namespace(**{"ft_mode": None, "replica_groups": None, "ft_policy": None,
                                  "lighthouse": None, **given})
 
 

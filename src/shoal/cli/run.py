@@ -49,10 +49,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         "progress for this long (default 600; 0 turns it off)")
     parser.add_argument("--debug", action="store_true",
                         help="check each collective across ranks (op, shapes, dtypes)")
+    parser.add_argument("--ft-mode", choices=["restart", "live"], default=None,
+                        help="how the job lives through a failure: 'restart' (default) "
+                        "restarts every worker from the last checkpoint; 'live' runs it as "
+                        "replica groups, one per node (docs/fault_tolerance.md)")
     parser.add_argument("--replica-groups", type=int, default=None, metavar="R",
-                        help="live recovery: run the job as R replica groups on this machine, "
-                        "each with its own workers and restarts; a failed group heals from a "
-                        "live one while the others wait or go on (docs/fault_tolerance.md)")
+                        help="live recovery: run R replica groups on this node, each with its "
+                        "own workers and restarts; a failed group heals from a live one while "
+                        "the others wait or go on (implies --ft-mode live)")
     parser.add_argument("--ft-policy", choices=["exact", "available"], default=None,
                         help="live mode: 'exact' (default) waits for the replacement and "
                         "ends bitwise equal to a run without failures; 'available' goes on "
@@ -147,12 +151,16 @@ def _given(*values):
     return next(value for value in values if value is not None)
 
 
-def live_settings(args: argparse.Namespace, base: FaultToleranceConfig | None = None
-                  ) -> FaultToleranceConfig:
+def live_settings(args: argparse.Namespace, base: FaultToleranceConfig | None = None,
+                  nnodes: int = 1) -> FaultToleranceConfig:
     """The run's fault tolerance: a config's ``fault_tolerance`` section, overridden by the
-    live-mode flags (``--replica-groups`` chooses live mode)."""
+    live-mode flags (``--ft-mode`` or ``--replica-groups`` chooses live mode)."""
     base = base or FaultToleranceConfig()
     update: dict = {}
+    if args.ft_mode == "restart" and args.replica_groups is not None:
+        raise UsageError("--replica-groups runs live mode: drop --ft-mode restart")
+    if args.ft_mode is not None:
+        update["mode"] = args.ft_mode
     if args.replica_groups is not None:
         update.update(mode="live", replica_groups=args.replica_groups)
     if args.ft_policy is not None:
@@ -162,10 +170,11 @@ def live_settings(args: argparse.Namespace, base: FaultToleranceConfig | None = 
     config = FaultToleranceConfig.build(**{**base.model_dump(), **update})
     if not config.live and (args.ft_policy or args.lighthouse):
         raise UsageError("--ft-policy and --lighthouse are settings of live mode: add "
-                         "--replica-groups R")
-    if config.live and (config.replica_groups or 1) < 2:
-        raise UsageError("live mode needs at least 2 replica groups: give --replica-groups "
-                         "R (or fault_tolerance.replica_groups) of 2 or more")
+                         "--ft-mode live (one replica group per node) or --replica-groups R")
+    if config.live and (config.replica_groups or 1) * nnodes < 2:
+        raise UsageError("live mode needs at least 2 replica groups: run on 2 or more nodes "
+                         "(--nnodes N, one group per node) or give --replica-groups R (or "
+                         "fault_tolerance.replica_groups) of 2 or more")
     return config
 
 
@@ -175,10 +184,10 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
                    fault_tolerance: FaultToleranceConfig | None = None) -> LaunchSpec:
     """Build the LaunchSpec from parsed flags, then a per-node ``cluster``'s values, then the
     defaults; validation happens in LaunchSpec itself."""
-    live = live_settings(args, fault_tolerance)
     node = cluster if cluster is not None and not cluster.per_process else None
     counts = (_node_counts(args.nnodes) if args.nnodes is not None
               else {"nnodes": node.nnodes if node else 1, "min_nodes": None})
+    live = live_settings(args, fault_tolerance, counts["nnodes"] or 1)
     return LaunchSpec(
         entry=entry,
         args=script_args,

@@ -35,8 +35,8 @@ class FaultToleranceConfig(BaseModel):
     failures. 'available': the other groups go on without the missing one (its samples of
     those steps are skipped, said and counted) and the replacement joins when healed."""
     replica_groups: int | None = Field(None, ge=1)
-    """Replica groups on this machine (``--replica-groups``), each its own agent, workers and
-    restarts. Default: one per node."""
+    """Replica groups on each node (``--replica-groups``), each its own agent, workers and
+    restarts. Default: one per node. (The launcher hands its workers the job's total.)"""
     lighthouse: str | None = None
     """Address of a running torchft lighthouse (http://HOST:PORT). Default: the launcher of
     node 0 starts one for the job and stops it at the end."""

@@ -90,6 +90,20 @@ class Quorum:
     """This group just loaded a live group's state."""
 
 
+def _heal_transport(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP transport for heals, at ``host``: torchft's own names the server by
+    this machine's hostname, which the other machines may not resolve."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class _Transport(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            name = f"[{host}]" if ":" in host else host
+            return f"http://{name}:{port}/checkpoint/"
+
+    return _Transport(timeout=timeout, num_chunks=0)
+
+
 class Replica:
     """This worker's membership in the quorum: one torchft Manager and its process group
     across groups (rank i of each group meets rank i of the others)."""
@@ -100,12 +114,13 @@ class Replica:
         from torchft.manager import Manager
 
         c = place.config
+        step = timedelta(seconds=c.step_timeout_s)
         self._healed = False
         self._load = load
-        step = timedelta(seconds=c.step_timeout_s)
         exact = c.policy == "exact"
         self._manager = Manager(
             pg=torchft.ProcessGroupGloo(timeout=step),
+            checkpoint_transport=_heal_transport(place.host, step),
             load_state_dict=self._loaded, state_dict=state,
             # exact: a step commits only with every group in it.
             min_replica_size=place.groups if exact else 1,

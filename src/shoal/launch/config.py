@@ -73,8 +73,8 @@ class LaunchSpec:
     debug: bool = False
     """Check every collective across ranks (operation, shapes, dtypes); slower."""
     replica_groups: int = 1
-    """Live mode on one machine: this many replica groups, each its own agent and workers
-    (``nproc_per_node`` each) and its own restarts."""
+    """Live mode: this many replica groups on this node, each its own agent and workers
+    (``nproc_per_node`` each) and its own restarts (the job has ``nnodes`` times as many)."""
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     """Restart (default) or live recovery, and live mode's policy and timeouts."""
     preload: bool = True
@@ -110,9 +110,11 @@ class LaunchSpec:
             raise UsageError(f"--hang-timeout must be positive, got {self.hang_timeout}")
         if self.replica_groups < 1:
             raise UsageError(f"--replica-groups must be at least 1, got {self.replica_groups}")
-        if self.fault_tolerance.live and self.nnodes > 1:
-            raise UsageError("live mode runs its replica groups on one machine for now: "
-                             "use --nnodes 1 (or fault_tolerance.mode 'restart')")
+        if self.fault_tolerance.live and (self.elastic or self.min_nodes is not None):
+            raise UsageError("live mode across nodes runs one replica group per node, which "
+                             "come and go by themselves: give --nnodes N with --node-rank, "
+                             "--master-addr and --master-port, not --rdzv-endpoint or "
+                             "--nnodes MIN:MAX")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if not self.module and not os.path.isfile(self.entry):

@@ -4,7 +4,8 @@ own workers and restarts, meeting at a lighthouse this launcher starts and stops
 Each group is a plain `shoal run` of one group (started here as a child process), told its
 place by ``ReplicaPlace.environ()``. A group whose restarts are used up is lost for good:
 under 'exact' the others cannot go on without it and are stopped; under 'available' they
-go on.
+go on. Across machines (launch/live_nodes.py) each node's launcher runs its own share of
+the groups the same way (``GroupSet``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from shoal.ft import FaultToleranceConfig, ReplicaPlace
 from shoal.ft.lighthouse import Lighthouse, start_lighthouse
@@ -23,8 +25,33 @@ from shoal.launch.ports import free_port
 _HOST = "127.0.0.1"
 
 
-def _group_command(spec: LaunchSpec, group: int) -> list[str]:
+@dataclass(frozen=True)
+class GroupSet:
+    """The replica groups one launcher runs, out of the job's."""
+
+    first: int
+    """Index of this launcher's first group (node rank x groups per node)."""
+    local: int
+    """Groups this launcher runs (``--replica-groups``, else 1)."""
+    total: int
+    """Groups in the job, on every node."""
+    host: str = _HOST
+    """The address the other groups reach these groups' managers, stores and heal servers
+    at (this node's address toward the master, across machines)."""
+
+    @property
+    def indices(self) -> range:
+        return range(self.first, self.first + self.local)
+
+    @property
+    def across_nodes(self) -> bool:
+        return self.local < self.total
+
+
+def _group_command(spec: LaunchSpec, group: int, host: str) -> list[str]:
+    # --master-addr: the group's store is where the other groups' process group meets it.
     argv = [sys.executable, "-m", "shoal", "run", "--nproc-per-node", str(spec.nproc_per_node),
+            "--master-addr", host,
             "--max-restarts", str(spec.max_restarts),
             "--hang-timeout", str(spec.hang_timeout or 0)]
     if spec.log_dir:
@@ -60,7 +87,14 @@ def launch_groups(spec: LaunchSpec) -> int:
     _say(f"live mode: {groups} replica groups x {spec.nproc_per_node} processes, policy "
          f"{config.policy}, lighthouse {address}"
          + (f" (pid {lighthouse.process.pid})" if lighthouse else ""))
-    job = _GroupJob(spec, config, address, lighthouse)
+    return run_groups(spec, config, address, lighthouse, GroupSet(0, groups, groups))
+
+
+def run_groups(spec: LaunchSpec, config: FaultToleranceConfig, address: str,
+               lighthouse: Lighthouse | None, groups: GroupSet) -> int:
+    """Run this launcher's ``groups`` until they are done; stop ``lighthouse`` (if this
+    launcher started it) at the end. The launcher's exit code."""
+    job = _GroupJob(spec, config, address, lighthouse, groups)
     previous = {s: signal.signal(s, job.forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         job.start()
@@ -77,21 +111,23 @@ class _GroupJob:
     """The groups' processes, watched until they are done."""
 
     def __init__(self, spec: LaunchSpec, config: FaultToleranceConfig, address: str,
-                 lighthouse: Lighthouse | None):
+                 lighthouse: Lighthouse | None, groups: GroupSet):
         self.spec, self.config, self.address, self.lighthouse = spec, config, address, lighthouse
+        self.groups = groups
         self.children: list[subprocess.Popen] = []
         self.stopping: list[int] = []
         # Policy exact: a group lost for good makes every group start again from the last
-        # checkpoint, once (today's restart, for the whole job).
-        self.fallbacks = 1 if config.policy == "exact" else 0
+        # checkpoint, once (today's restart, for the whole job). Across machines this
+        # launcher cannot restart the other nodes' groups.
+        self.fallbacks = 1 if config.policy == "exact" and not groups.across_nodes else 0
 
     def start(self) -> None:
-        groups = self.spec.replica_groups
+        g = self.groups
         self.children = [
-            subprocess.Popen(_group_command(self.spec, group), env={
+            subprocess.Popen(_group_command(self.spec, group, g.host), env={
                 **os.environ,
-                **ReplicaPlace(group, groups, self.address, self.config, _HOST).environ()})
-            for group in range(groups)]
+                **ReplicaPlace(group, g.total, self.address, self.config, g.host).environ()})
+            for group in g.indices]
 
     def forward(self, signum: int, _frame: object) -> None:
         self.stopping.append(signum)
@@ -129,8 +165,14 @@ class _GroupJob:
             self.stop_all()
             self.start()
             return True
-        _say(f"replica group {group} failed for good (exit code {code}): policy exact needs "
-             "every group, so the others stop")
+        if self.groups.across_nodes:
+            _say(f"replica group {group} failed for good (exit code {code}): policy exact "
+                 "needs every group, so this node's launcher stops; the other nodes' groups "
+                 f"wait {self.config.replacement_timeout_s:g} s (replacement_timeout_s) for "
+                 "`shoal run` to be started again here")
+        else:
+            _say(f"replica group {group} failed for good (exit code {code}): policy exact "
+                 "needs every group, so the others stop")
         self.stop_all()
         return False
 
@@ -145,14 +187,14 @@ class _GroupJob:
             if (self.config.policy == "available" and finished_at is not None
                     and time.monotonic() - finished_at > 2 * self.config.step_timeout_s):
                 # The job's steps are done; a replacement not yet back has none left.
-                for group, child in enumerate(self.children):
+                for group, child in zip(self.groups.indices, self.children, strict=True):
                     if child.poll() is None:
                         _say(f"replica group {group} had not rejoined when the others "
                              "finished: stopped")
                         child.terminate()
                         child.wait()
                 codes = [0 if code is None else code for code in codes]
-            for group, code in enumerate(codes):
+            for group, code in zip(self.groups.indices, codes, strict=False):
                 if code not in (None, 0) and group not in lost and not self.stopping:
                     lost.add(group)
                     if not self._lost(group, code):

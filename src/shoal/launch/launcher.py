@@ -185,6 +185,10 @@ def quiet_torch_logs() -> None:
 
 def launch(spec: LaunchSpec) -> int:
     """Run the job described by ``spec``; return the launcher's exit code."""
+    if spec.fault_tolerance.live and spec.nnodes > 1:
+        from shoal.launch.live_nodes import launch_live_nodes
+
+        return launch_live_nodes(spec)
     if spec.fault_tolerance.live:
         from shoal.launch.groups import launch_groups
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import socket
 
 from shoal.errors import UsageError
@@ -26,5 +27,7 @@ def check_port_free(host: str, port: int, flag: str = "--master-port",
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise UsageError(f"{flag} {port} on {host} is already in use ({exc.strerror}); "
+            what = ("is already in use" if exc.errno == errno.EADDRINUSE
+                    else "cannot be listened on")
+            raise UsageError(f"{flag} {port} on {host} {what} ({exc.strerror}); "
                              f"choose another port, or {advice}") from None
