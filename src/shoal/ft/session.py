@@ -19,11 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shoal.ft.config import ReplicaPlace
-from shoal.ft.engine import Quorum
-
-
-class LiveError(RuntimeError):
-    """A live step cannot go on (no quorum in time): said in one line."""
+from shoal.ft.engine import LiveError, Quorum
+from shoal.runtime import heartbeat
 
 
 class Redo(Exception):
@@ -106,24 +103,28 @@ class LiveSession:
         c = self.place.config
         wait = c.replacement_timeout_s if c.policy == "exact" else c.step_timeout_s
         deadline = time.monotonic() + wait
-        while True:
-            try:
-                return self.replica.quorum()
-            except Exception as exc:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
-                if time.monotonic() >= deadline:
-                    raise LiveError(
-                        f"replica group {self.place.group}: no quorum of the replica groups "
-                        f"within {wait:g} s ({str(exc).splitlines()[0][:200]}); this group "
-                        "stops (its agent restarts it, from the last checkpoint if there is "
-                        "one)") from None
-                time.sleep(0.2)
+        # Waiting for the others (or a replacement) is not a hang: the deadline ends it.
+        with heartbeat.waiting():
+            while True:
+                try:
+                    return self.replica.quorum()
+                except Exception as exc:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
+                    if time.monotonic() >= deadline:
+                        raise LiveError(
+                            f"replica group {self.place.group}: no quorum of the replica "
+                            f"groups within {wait:g} s ({str(exc).splitlines()[0][:200]}); "
+                            "this group stops (its agent restarts it, from the last "
+                            "checkpoint if there is one)") from None
+                    time.sleep(0.2)
 
     def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int) -> bool:
         """Average ``grads`` over the groups of the step and vote; True: apply the step.
         ``samples``: this group's samples in the step (what a missing group skipped)."""
         quorum, self._quorum = self._quorum, None
-        self.replica.average(grads)
-        if not self.replica.commit():
+        with heartbeat.waiting():  # each wait for the other groups has its own deadline
+            self.replica.average(grads)
+            committed = self.replica.commit()
+        if not committed:
             self._say(f"step {step + 1} did not commit (a replica group failed or is "
                       "missing): it is done again")
             return False
