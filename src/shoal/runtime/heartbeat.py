@@ -48,6 +48,7 @@ def read(path: str) -> tuple[float, int, int] | None:
 
 
 _last_step = 0
+_beaten = False  # a step was beaten: the watch is armed
 
 
 def last_step() -> int:
@@ -76,8 +77,8 @@ def enable_from_environment() -> None:
 def heartbeat(step: int) -> None:
     """Tell the launcher this rank made progress (reached ``step``). Cheap; the file is
     written only when launched by `shoal run`."""
-    global _last_step
-    _last_step = step
+    global _last_step, _beaten
+    _last_step, _beaten = step, True
     if _map is not None:
         _map[:SIZE] = struct.pack(_FORMAT, time.time(), step, os.getpid())
 
@@ -90,7 +91,8 @@ _lock = threading.Lock()
 @contextmanager
 def waiting(interval: float = 1.0) -> Iterator[None]:
     """Beat every ``interval`` seconds (at the last step) while the block runs. Only for a
-    wait that ends by itself: a beat says the rank is alive, whatever the wait does."""
+    wait that ends by itself: a beat says the rank is alive, whatever the wait does. It
+    never arms the watch: before a rank's first step (imports, compiling) nothing beats."""
     global _waits, _waiter
     if _map is None:
         yield
@@ -102,7 +104,8 @@ def waiting(interval: float = 1.0) -> Iterator[None]:
                                        daemon=True, name="shoal-heartbeat-wait")
             _waiter.start()
     try:
-        heartbeat(_last_step)
+        if _beaten:
+            heartbeat(_last_step)
         yield
     finally:
         with _lock:
@@ -112,5 +115,5 @@ def waiting(interval: float = 1.0) -> Iterator[None]:
 def _beat_while_waiting(interval: float) -> None:
     while True:
         time.sleep(interval)
-        if _waits:
+        if _waits and _beaten:
             heartbeat(_last_step)
