@@ -80,10 +80,6 @@ def serve_lighthouse(bind: str, min_replicas: int, config: FaultToleranceConfig)
                                       heartbeat_timeout_ms=config.heartbeat_timeout_ms)
 
 
-class LiveError(RuntimeError):
-    """A live step cannot go on (no lighthouse, no quorum in time): said in one line."""
-
-
 @dataclass(frozen=True)
 class Quorum:
     """What one step's quorum said to this group."""
@@ -108,25 +104,20 @@ class Replica:
         self._load = load
         step = timedelta(seconds=c.step_timeout_s)
         exact = c.policy == "exact"
-        try:
-            self._manager = Manager(
-                pg=torchft.ProcessGroupGloo(timeout=step),
-                load_state_dict=self._loaded, state_dict=state,
-                # exact: a step commits only with every group in it.
-                min_replica_size=place.groups if exact else 1,
-                use_async_quorum=False, timeout=step,
-                quorum_timeout=timedelta(seconds=c.replacement_timeout_s if exact
-                                         else c.step_timeout_s),
-                connect_timeout=step, rank=group_rank, world_size=group_size,
-                lighthouse_addr=place.lighthouse, replica_id=f"shoal_group_{place.group}",
-                hostname=place.host, heartbeat_interval=timedelta(milliseconds=100),
-                init_sync=True,
-                # The ManagerServer asks the lighthouse again (with backoff) when a request
-                # fails: a lighthouse the launcher starts again is back within a second.
-                quorum_retries=20)
-        except RuntimeError as exc:  # torchft's: the lighthouse does not answer
-            raise LiveError(f"replica group {place.group}: cannot join the replica groups "
-                            f"({str(exc).splitlines()[0][:200]})") from None
+        self._manager = Manager(
+            pg=torchft.ProcessGroupGloo(timeout=step),
+            load_state_dict=self._loaded, state_dict=state,
+            # exact: a step commits only with every group in it.
+            min_replica_size=place.groups if exact else 1,
+            use_async_quorum=False, timeout=step,
+            quorum_timeout=timedelta(seconds=c.replacement_timeout_s if exact
+                                     else c.step_timeout_s),
+            connect_timeout=step, rank=group_rank, world_size=group_size,
+            lighthouse_addr=place.lighthouse, replica_id=f"shoal_group_{place.group}",
+            hostname=place.host, heartbeat_interval=timedelta(milliseconds=100), init_sync=True,
+            # The ManagerServer asks the lighthouse again (with backoff) when a request
+            # fails: a lighthouse the launcher starts again is back within a second.
+            quorum_retries=20)
 
     def _loaded(self, state: dict) -> None:
         self._load(state)

@@ -19,8 +19,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shoal.ft.config import ReplicaPlace
-from shoal.ft.engine import LiveError, Quorum
+from shoal.ft.engine import Quorum
 from shoal.runtime import heartbeat
+
+
+class LiveError(RuntimeError):
+    """A live step cannot go on (no lighthouse, no quorum in time): said in one line."""
 
 
 class Redo(Exception):
@@ -60,7 +64,11 @@ class LiveSession:
         self._quorum = None  # the quorum of the step under way
         self._participants = place.groups
         self._started = 0.0
-        self.replica = Replica(place, group_rank, group_size, self._send, self._receive)
+        try:
+            self.replica = Replica(place, group_rank, group_size, self._send, self._receive)
+        except RuntimeError as exc:  # torchft's: the lighthouse does not answer
+            raise LiveError(f"replica group {place.group}: cannot join the replica groups "
+                            f"({str(exc).splitlines()[0][:200]})") from None
 
     def _send(self) -> dict:
         return {"trainer": self._state(), "skipped_samples": self.skipped_samples}
@@ -103,19 +111,20 @@ class LiveSession:
         c = self.place.config
         wait = c.replacement_timeout_s if c.policy == "exact" else c.step_timeout_s
         deadline = time.monotonic() + wait
-        # Waiting for the others (or a replacement) is not a hang: the deadline ends it.
-        with heartbeat.waiting():
-            while True:
-                try:
+        while True:
+            try:
+                # Waiting for the others (or a replacement) is not a hang: the call's own
+                # deadline ends it.
+                with heartbeat.waiting():
                     return self.replica.quorum()
-                except Exception as exc:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
-                    if time.monotonic() >= deadline:
-                        raise LiveError(
-                            f"replica group {self.place.group}: no quorum of the replica "
-                            f"groups within {wait:g} s ({str(exc).splitlines()[0][:200]}); "
-                            "this group stops (its agent restarts it, from the last "
-                            "checkpoint if there is one)") from None
-                    time.sleep(0.2)
+            except Exception as exc:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
+                if time.monotonic() >= deadline:
+                    raise LiveError(
+                        f"replica group {self.place.group}: no quorum of the replica groups "
+                        f"within {wait:g} s ({str(exc).splitlines()[0][:200]}); this group "
+                        "stops (its agent restarts it, from the last checkpoint if there is "
+                        "one)") from None
+                time.sleep(0.2)
 
     def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int) -> bool:
         """Average ``grads`` over the groups of the step and vote; True: apply the step.
