@@ -6,7 +6,8 @@
 Every worker writes its pid per attempt (OUT/pid.g<group>.a<attempt>.r<rank>) and, at the
 end, its model and optimizer state (OUT/final.g<group>.r<rank>.pt). ``--kill G:S`` makes
 group G's rank 0 kill itself (SIGKILL) in the forward pass of step S + 1, once (a marker
-file remembers it), i.e. mid-step, before its gradients reach the other groups.
+file remembers it), i.e. mid-step, before its gradients reach the other groups;
+``--kill G:S:SIGSTOP`` freezes it there instead.
 ``--pace K:S``: after step K group 0 waits until a replacement of group 1 has started, then
 takes at least S seconds per step (so that the replacement rejoins before the run ends,
 under policy 'available'). ``--hold K``: after step K group 0 writes OUT/held and waits for
@@ -67,6 +68,7 @@ if args.pace and group == 0:
     def pace(*_):
         if trainer.global_step >= int(after):
             while not (out / "pid.g1.a1.r0").exists():
+                shoal.heartbeat(trainer.global_step)  # waiting on purpose: not a hang
                 time.sleep(0.05)
             time.sleep(float(seconds))
     trainer.optimizer.register_step_post_hook(pace)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from shoal.cli.run import live_settings
+from shoal.cli.run import live_settings, register, spec_from_args
 from shoal.errors import UsageError
 from shoal.ft import FaultToleranceConfig, ReplicaPlace
 from shoal.ft.engine import check_available
@@ -16,7 +16,8 @@ from shoal.ft.engine import check_available
 
 def _flags(**given) -> argparse.Namespace:
     return argparse.Namespace(**{"ft_mode": None, "replica_groups": None, "ft_policy": None,
-                                 "lighthouse": None, **given})
+                                 "lighthouse": None, "ft_step_timeout": None,
+                                 "ft_replacement_timeout": None, **given})
 
 
 def test_timeouts_must_be_ordered():
@@ -37,12 +38,34 @@ def test_replica_groups_choose_live_mode_and_the_flags_win():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (_flags(ft_policy="exact"), "--ft-policy and --lighthouse are settings of live mode"),
+    (_flags(ft_policy="exact"), "--ft-policy, --lighthouse and --ft-\\*-timeout are "
+                                "settings of live mode"),
+    (_flags(ft_step_timeout=2.0), "are settings of live mode: add --replica-groups R"),
+    (_flags(replica_groups=2, ft_step_timeout=5, ft_replacement_timeout=5),
+     "step_timeout_s 5.0 must be shorter than replacement_timeout_s 5.0"),
     (_flags(replica_groups=1), "live mode needs at least 2 replica groups"),
 ])
 def test_live_flags_that_cannot_work_are_refused(flags, message):
     with pytest.raises(UsageError, match=message):
         live_settings(flags)
+
+
+def _spec(*argv: str):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["run", *argv, "-m", "json"])  # any module
+    return spec_from_args(args, args.entry, args.args, args.module)
+
+
+def test_the_timeout_flags_reach_the_config_and_set_a_live_hang_timeout():
+    spec = _spec("--replica-groups", "2", "--ft-step-timeout", "2",
+                 "--ft-replacement-timeout", "30")
+    c = spec.fault_tolerance
+    assert (c.step_timeout_s, c.replacement_timeout_s) == (2, 30)
+    assert spec.hang_timeout == 15  # half the replacement timeout, unless given
+    assert _spec("--replica-groups", "2", "--hang-timeout", "7").hang_timeout == 7
+    assert _spec("--replica-groups", "2", "--hang-timeout", "0").hang_timeout is None
+    assert _spec().hang_timeout == 600  # a job without replica groups keeps its default
 
 
 def test_a_place_round_trips_through_the_environment():

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,10 +30,11 @@ STEPS = 40
 AVAILABLE_TOLERANCE = 0.05
 
 
-def _shoal_run(out: Path, *flags: str, job: tuple[str, ...] = ()) -> subprocess.Popen:
+def _shoal_run(out: Path, *flags: str, job: tuple[str, ...] = (),
+               steps: int = STEPS) -> subprocess.Popen:
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "shoal", "run", "--hang-timeout", "0", *flags, JOB, str(out),
-           str(STEPS), *job]
+           str(steps), *job]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -50,19 +53,19 @@ def _pids(out: Path) -> list[str]:
     return sorted(p.name for p in out.glob("pid.*"))
 
 
-def _equals_ddp(live: Path, reference: Path) -> bool:
+def _equals_ddp(live: Path, reference: Path, groups: int = 2) -> bool:
+    """Group g of the live run ends like rank g of the DDP run, model and optimizer."""
     return all(states_equal(_final(live, group)["model"], _final(reference, 0, group)["model"])
                and states_equal(_final(live, group)["optimizer"],
                                 _final(reference, 0, group)["optimizer"])
-               for group in (0, 1))
+               for group in range(groups))
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    """Today's 2-process DDP run without failures, started at once and waited for when
-    first asked (so that it runs beside the first live run)."""
-    out = tmp_path_factory.mktemp("ddp") / "run"
-    process = _shoal_run(out, "--nproc-per-node", "2")
+@contextmanager
+def in_background(out: Path, *flags: str, steps: int = STEPS) -> Iterator[Callable[[], Path]]:
+    """A run started at once and waited for when first asked (so that it runs beside the
+    test's own run); stopped by its pid if the test ends first."""
+    process = _shoal_run(out, *flags, steps=steps)
     done: list[Path] = []
 
     def wait() -> Path:
@@ -70,10 +73,19 @@ def ddp_run(tmp_path_factory):
             _finish(process)
             done.append(out)
         return out
-    yield wait
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    try:
+        yield wait
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """Today's 2-process DDP run without failures."""
+    with in_background(tmp_path_factory.mktemp("ddp") / "run", "--nproc-per-node", "2") as wait:
+        yield wait
 
 
 def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):

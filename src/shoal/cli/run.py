@@ -44,9 +44,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart all workers up to K times after a failure (default 0)")
     parser.add_argument("--log-dir", default=None, help="keep one log per rank in DIR")
-    parser.add_argument("--hang-timeout", type=float, default=600.0, metavar="SECONDS",
+    parser.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
                         help="report where every rank is and stop the job when no rank made "
-                        "progress for this long (default 600; 0 turns it off)")
+                        "progress for this long (default 600; in live mode half the "
+                        "replacement timeout; 0 turns it off)")
     parser.add_argument("--debug", action="store_true",
                         help="check each collective across ranks (op, shapes, dtypes)")
     parser.add_argument("--ft-mode", choices=["restart", "live"], default=None,
@@ -64,6 +65,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lighthouse", default=None, metavar="http://HOST:PORT",
                         help="live mode: a running torchft lighthouse (default: one is "
                         "started for the job)")
+    parser.add_argument("--ft-step-timeout", type=float, default=None, metavar="SECONDS",
+                        help="live mode: the longest a step across groups may wait for one "
+                        "(fault_tolerance.step_timeout_s, default 10)")
+    parser.add_argument("--ft-replacement-timeout", type=float, default=None,
+                        metavar="SECONDS",
+                        help="live mode, policy exact: how long the other groups wait for a "
+                        "replacement (fault_tolerance.replacement_timeout_s, default 120)")
     parser.add_argument("--no-preload", dest="preload", action="store_false",
                         help="start each worker as a new python process instead of forking "
                         "it from a server that has imported torch (Linux; restarts are "
@@ -167,10 +175,15 @@ def live_settings(args: argparse.Namespace, base: FaultToleranceConfig | None = 
         update["policy"] = args.ft_policy
     if args.lighthouse is not None:
         update["lighthouse"] = args.lighthouse
+    timeouts = {"step_timeout_s": args.ft_step_timeout,
+                "replacement_timeout_s": args.ft_replacement_timeout}
+    update.update({key: value for key, value in timeouts.items() if value is not None})
     config = FaultToleranceConfig.build(**{**base.model_dump(), **update})
-    if not config.live and (args.ft_policy or args.lighthouse):
-        raise UsageError("--ft-policy and --lighthouse are settings of live mode: add "
-                         "--ft-mode live (one replica group per node) or --replica-groups R")
+    if not config.live and (args.ft_policy or args.lighthouse
+                            or any(value is not None for value in timeouts.values())):
+        raise UsageError("--ft-policy, --lighthouse and --ft-*-timeout are settings of live "
+                         "mode: add --ft-mode live (one replica group per node) or "
+                         "--replica-groups R")
     if config.live and (config.replica_groups or 1) * nnodes < 2:
         raise UsageError("live mode needs at least 2 replica groups: run on 2 or more nodes "
                          "(--nnodes N, one group per node) or give --replica-groups R (or "
@@ -205,7 +218,8 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
         rdzv_last_call=args.rdzv_last_call,
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
-        hang_timeout=args.hang_timeout or None,
+        hang_timeout=_given(args.hang_timeout,
+                            live.default_hang_timeout_s if live.live else 600.0) or None,
         debug=args.debug,
         replica_groups=live.replica_groups or 1 if live.live else 1,
         fault_tolerance=live,

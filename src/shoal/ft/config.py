@@ -68,6 +68,13 @@ class FaultToleranceConfig(BaseModel):
     def live(self) -> bool:
         return self.mode == "live"
 
+    @property
+    def default_hang_timeout_s(self) -> float:
+        """A live job's ``--hang-timeout`` unless one is given: a group silent for half the
+        replacement timeout is taken as frozen (its agent kills and restarts it), which
+        leaves the other half for its restart and heal before the others give up on it."""
+        return self.replacement_timeout_s / 2
+
     @classmethod
     def build(cls, **settings: object) -> FaultToleranceConfig:
         try:

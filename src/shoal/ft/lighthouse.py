@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from shoal.ft.config import FaultToleranceConfig
 
@@ -38,6 +40,16 @@ class Lighthouse:
             except subprocess.TimeoutExpired:
                 os.kill(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+
+
+def answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether something listens at a lighthouse's address (http://HOST:PORT)."""
+    parts = urlsplit(address)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def start_lighthouse(host: str, port: int, min_replicas: int,

@@ -20,10 +20,11 @@ import torch
 
 from shoal.ft.config import ReplicaPlace
 from shoal.ft.engine import Quorum
+from shoal.runtime import heartbeat
 
 
 class LiveError(RuntimeError):
-    """A live step cannot go on (no quorum in time): said in one line."""
+    """A live step cannot go on (no lighthouse, no quorum in time): said in one line."""
 
 
 class Redo(Exception):
@@ -63,7 +64,11 @@ class LiveSession:
         self._quorum = None  # the quorum of the step under way
         self._participants = place.groups
         self._started = 0.0
-        self.replica = Replica(place, group_rank, group_size, self._send, self._receive)
+        try:
+            self.replica = Replica(place, group_rank, group_size, self._send, self._receive)
+        except RuntimeError as exc:  # torchft's: the lighthouse does not answer
+            raise LiveError(f"replica group {place.group}: cannot join the replica groups "
+                            f"({str(exc).splitlines()[0][:200]})") from None
 
     def _send(self) -> dict:
         return {"trainer": self._state(), "skipped_samples": self.skipped_samples}
@@ -108,7 +113,10 @@ class LiveSession:
         deadline = time.monotonic() + wait
         while True:
             try:
-                return self.replica.quorum()
+                # Waiting for the others (or a replacement) is not a hang: the call's own
+                # deadline ends it.
+                with heartbeat.waiting():
+                    return self.replica.quorum()
             except Exception as exc:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
                 if time.monotonic() >= deadline:
                     raise LiveError(
@@ -122,8 +130,10 @@ class LiveSession:
         """Average ``grads`` over the groups of the step and vote; True: apply the step.
         ``samples``: this group's samples in the step (what a missing group skipped)."""
         quorum, self._quorum = self._quorum, None
-        self.replica.average(grads)
-        if not self.replica.commit():
+        with heartbeat.waiting():  # each wait for the other groups has its own deadline
+            self.replica.average(grads)
+            committed = self.replica.commit()
+        if not committed:
             self._say(f"step {step + 1} did not commit (a replica group failed or is "
                       "missing): it is done again")
             return False

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from shoal.ft import FaultToleranceConfig, ReplicaPlace
-from shoal.ft.lighthouse import Lighthouse, start_lighthouse
+from shoal.ft.lighthouse import Lighthouse, answers, start_lighthouse
 from shoal.launch.config import LaunchSpec
 from shoal.launch.ports import free_port
 
@@ -151,12 +151,19 @@ class _GroupJob:
                  f"{lighthouse.process.returncode}: started again at {lighthouse.address}")
             lighthouse.restart()
 
-    def _lost(self, group: int, code: int) -> bool:
-        """A group's agent gave up (its restarts used up); True: the job goes on."""
+    def _lost(self, group: int, code: int) -> str:
+        """A group's agent gave up (its restarts used up): 'on' (the job goes on), 'again'
+        (every group was started again) or 'stop'."""
+        if self.lighthouse is None and not answers(self.address):
+            # The user's lighthouse is gone: no step commits, and no restart brings it back.
+            # The other groups stop at their own quorum deadline.
+            _say(f"replica group {group} stopped (exit code {code}): the lighthouse "
+                 f"{self.address} does not answer, and no step commits without it")
+            return "on"
         if self.config.policy == "available":
             _say(f"replica group {group} failed for good (exit code {code}); the others go "
                  "on without it (policy available)")
-            return True
+            return "on"
         if self.fallbacks:
             self.fallbacks -= 1
             _say(f"replica group {group} did not come back (exit code {code}, its restarts "
@@ -164,7 +171,7 @@ class _GroupJob:
                  "checkpoint (policy exact)")
             self.stop_all()
             self.start()
-            return True
+            return "again"
         if self.groups.across_nodes:
             _say(f"replica group {group} failed for good (exit code {code}): policy exact "
                  "needs every group, so this node's launcher stops; the other nodes' groups "
@@ -174,7 +181,7 @@ class _GroupJob:
             _say(f"replica group {group} failed for good (exit code {code}): policy exact "
                  "needs every group, so the others stop")
         self.stop_all()
-        return False
+        return "stop"
 
     def wait(self) -> int:
         lost: set[int] = set()
@@ -197,9 +204,10 @@ class _GroupJob:
             for group, code in zip(self.groups.indices, codes, strict=False):
                 if code not in (None, 0) and group not in lost and not self.stopping:
                     lost.add(group)
-                    if not self._lost(group, code):
+                    verdict = self._lost(group, code)
+                    if verdict == "stop":
                         return code
-                    if self.config.policy == "exact":  # every group started again
+                    if verdict == "again":
                         lost.clear()
                         codes = [None]
                         break

@@ -31,8 +31,13 @@ class RankPosition:
     step: int
     collective: str | None
     where: str
+    stopped: bool = False
+    """The process is stopped (SIGSTOP, a debugger): it cannot dump its stack."""
 
     def describe(self) -> str:
+        if self.stopped:
+            return (f"rank {self.rank}: stopped (SIGSTOP or a debugger), its stack unreadable "
+                    f"(last step {self.step})")
         if self.collective:
             return (f"rank {self.rank}: inside {self.collective} at {self.where} "
                     f"(waiting for the other ranks; last step {self.step})")
@@ -129,9 +134,11 @@ class HangWatch(threading.Thread):
             _signal(pid, heartbeat.STACK_SIGNAL)
         time.sleep(1.0)  # the dumps are written by a C handler, almost at once
         positions = []
-        for rank, (_, step, _) in beats.items():
+        for rank, (_, step, pid) in beats.items():
             with open(heartbeat.stack_path(self.directory, rank), errors="replace") as f:
-                positions.append(locate(rank, step, f.read()))
+                position = locate(rank, step, f.read())
+            position.stopped = _stopped(pid)
+            positions.append(position)
         text = report(positions, self.timeout)
         lost = self.network(max(2.0, min(self.timeout / 2, 5.0))) if self.network else []
         if lost:
@@ -151,6 +158,15 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T in /proc; False where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -4,6 +4,9 @@ Each rank owns a 24-byte file (time of the last beat, step, pid) in a directory 
 launcher names in SHOAL_HEARTBEAT_DIR; it is memory-mapped, so a beat is a store in memory,
 with no system call on the training path. The Trainer beats after every optimizer step;
 a custom loop calls ``shoal.heartbeat(step)``. A rank arms the watch with its first beat.
+While a rank waits on something with a deadline of its own (a live job's quorum or step
+across replica groups), ``waiting()`` beats for it from a thread: such a rank is alive and
+waiting, not hung, and a frozen process (SIGSTOP) beats nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import mmap
 import os
 import signal
 import struct
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _FORMAT = "<dqq"  # time of the last beat, step (-1: not yet armed), pid
 SIZE = struct.calcsize(_FORMAT)
@@ -42,6 +48,7 @@ def read(path: str) -> tuple[float, int, int] | None:
 
 
 _last_step = 0
+_beaten = False  # a step was beaten: the watch is armed
 
 
 def last_step() -> int:
@@ -70,7 +77,43 @@ def enable_from_environment() -> None:
 def heartbeat(step: int) -> None:
     """Tell the launcher this rank made progress (reached ``step``). Cheap; the file is
     written only when launched by `shoal run`."""
-    global _last_step
-    _last_step = step
+    global _last_step, _beaten
+    _last_step, _beaten = step, True
     if _map is not None:
         _map[:SIZE] = struct.pack(_FORMAT, time.time(), step, os.getpid())
+
+
+_waits = 0  # waits under way in this process (``waiting``)
+_waiter: threading.Thread | None = None
+_lock = threading.Lock()
+
+
+@contextmanager
+def waiting(interval: float = 1.0) -> Iterator[None]:
+    """Beat every ``interval`` seconds (at the last step) while the block runs. Only for a
+    wait that ends by itself: a beat says the rank is alive, whatever the wait does. It
+    never arms the watch: before a rank's first step (imports, compiling) nothing beats."""
+    global _waits, _waiter
+    if _map is None:
+        yield
+        return
+    with _lock:
+        _waits += 1
+        if _waiter is None:
+            _waiter = threading.Thread(target=_beat_while_waiting, args=(interval,),
+                                       daemon=True, name="shoal-heartbeat-wait")
+            _waiter.start()
+    try:
+        if _beaten:
+            heartbeat(_last_step)
+        yield
+    finally:
+        with _lock:
+            _waits -= 1
+
+
+def _beat_while_waiting(interval: float) -> None:
+    while True:
+        time.sleep(interval)
+        if _waits and _beaten:
+            heartbeat(_last_step)

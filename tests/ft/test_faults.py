@@ -1,0 +1,126 @@
+"""Live mode through the faults beyond a clean SIGKILL: a frozen group (SIGSTOP), two groups
+lost in the same step, the user's lighthouse gone for good."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shoal.ft import FaultToleranceConfig
+from shoal.launch.ports import free_port
+from tests.ft.test_live import (
+    STEPS,
+    _equals_ddp,
+    _final,
+    _finish,
+    _pids,
+    _shoal_run,
+    ddp_run,  # noqa: F401 (a fixture)
+    in_background,
+)
+from tests.helpers import states_equal
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.timeout(300)
+
+# Short enough for a quick test, long enough that a busy machine's step never looks frozen.
+FROZEN = ("--hang-timeout", "8", "--ft-step-timeout", "2")
+
+
+def test_exact_frozen_group_is_killed_by_its_hang_watch_and_heals(tmp_path, ddp_run):  # noqa: F811
+    """Group 1 frozen mid-step (SIGSTOP): its own launcher's hang watch finds no beat for
+    --hang-timeout, kills it and its agent starts it again; the survivor, beating while it
+    waits in the step and the quorum, is never killed; the replacement heals and the run
+    ends bitwise equal to today's 2-process DDP run."""
+    live = tmp_path / "live"
+    output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "1", *FROZEN,
+                                job=("--kill", "1:6:SIGSTOP")))
+    assert "rank 0: stopped (SIGSTOP or a debugger), its stack unreadable (last step 6)" \
+        in output
+    assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]  # 0 not restarted
+    assert "replica group 0: step 7 did not commit" in output
+    assert "replica group 1: healed from a live group at step 6" in output
+    assert _equals_ddp(live, ddp_run())
+
+
+def test_available_goes_on_without_the_frozen_group(tmp_path):
+    """Policy 'available': the survivor gives the frozen group's step up after the step
+    timeout and goes on alone; the frozen group is killed by its hang watch, heals and
+    rejoins, and both end as one model."""
+    live = tmp_path / "live"
+    output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "1",
+                                "--ft-policy", "available", "--no-preload", *FROZEN,
+                                job=("--kill", "1:6:SIGSTOP", "--pace", "9:0.3")))
+    assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
+    assert "replica group 0: step 7: 1 of 2 replica groups take part" in output
+    assert "all 2 replica groups take part again" in output
+    final = [_final(live, group) for group in (0, 1)]
+    assert final[0]["step"] == final[1]["step"] == STEPS
+    assert states_equal(final[0]["model"], final[1]["model"])
+
+
+def test_two_groups_killed_in_one_step_heal_from_the_third(tmp_path):
+    """Policy exact, 3 groups: groups 1 and 2 SIGKILLed in the same step; both replacements
+    heal from group 0, and the run ends bitwise equal to the 3-group run without failures.
+    (Not to 3-process DDP: with 3 addends the sum's order matters, and DDP's bucket is laid
+    out otherwise than the one buffer averaged across groups; 2.8e-7 apart after 12 steps.)"""
+    steps = 12
+    with in_background(tmp_path / "whole", "--replica-groups", "3", steps=steps) as whole:
+        live = tmp_path / "live"
+        output = _finish(_shoal_run(live, "--replica-groups", "3", "--max-restarts", "1",
+                                    job=("--kill", "1:6", "--kill", "2:6"), steps=steps))
+        assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0",
+                               "pid.g2.a0.r0", "pid.g2.a1.r0"]
+        assert "replica group 0: step 7 did not commit" in output
+        for group in (1, 2):
+            assert f"replica group {group}: healed from a live group at step 6" in output
+        reference = whole()
+        for group in range(3):
+            ours, theirs = _final(live, group), _final(reference, group)
+            assert ours["step"] == steps
+            assert states_equal(ours["model"], theirs["model"])
+            assert states_equal(ours["optimizer"], theirs["optimizer"])
+
+
+def test_the_users_lighthouse_gone_for_good_stops_the_job(tmp_path):
+    """A lighthouse given by address dies mid-run and does not come back: each group stops
+    after its quorum deadline (its restart cannot join either), the launcher says so once
+    per group and falls back to nothing, and the job ends with a failure instead of
+    hanging."""
+    port = free_port("127.0.0.1")
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "shoal.ft.lighthouse", "--bind", f"127.0.0.1:{port}",
+         "--min-replicas", "2", "--config", FaultToleranceConfig().model_dump_json()],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    live = tmp_path / "live"
+    process = _shoal_run(live, "--replica-groups", "2", "--max-restarts", "1",
+                         "--lighthouse", f"http://127.0.0.1:{port}", "--ft-step-timeout", "1",
+                         "--ft-replacement-timeout", "4", job=("--hold", "3"))
+    try:
+        deadline = time.monotonic() + 200
+        while not (live / "held").exists():
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(lighthouse.pid, signal.SIGKILL)
+        lighthouse.wait()
+        (live / "go").write_text("")
+        output, _ = process.communicate(timeout=240)
+    finally:
+        for child in (process, lighthouse):
+            if child.poll() is None:
+                os.kill(child.pid, signal.SIGKILL)
+                child.wait()
+    assert process.returncode != 0
+    for group in (0, 1):
+        assert f"replica group {group}: no quorum of the replica groups within 4 s" in output
+        assert f"replica group {group}: cannot join the replica groups" in output
+        assert len(re.findall(rf"shoal: replica group {group} stopped \(exit code \d+\): the "
+                              rf"lighthouse http://127.0.0.1:{port} does not answer",
+                              output)) == 1
+    assert "falling back" not in output
