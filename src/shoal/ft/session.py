@@ -48,7 +48,8 @@ class LiveSession:
 
     def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None],
-                 record: Callable[..., None] = lambda step, **fields: None):
+                 record: Callable[..., None] = lambda step, **fields: None,
+                 wire: torch.dtype | None = None):
         from shoal.ft.engine import Replica  # imports torchft: only in a live job
 
         self.place = place
@@ -60,6 +61,7 @@ class LiveSession:
         self.healed: list[dict] = []
         """Each heal of this group: step, bytes, seconds."""
         self._state, self._load, self._record = state, load, record
+        self._wire = wire  # the precision gradients are sent in across groups (fp16, bf16)
         self._quorum = None  # the quorum of the step under way
         self._participants = place.groups
         self._started = 0.0
@@ -122,7 +124,7 @@ class LiveSession:
         """Average ``grads`` over the groups of the step and vote; True: apply the step.
         ``samples``: this group's samples in the step (what a missing group skipped)."""
         quorum, self._quorum = self._quorum, None
-        self.replica.average(grads)
+        self.replica.average(grads, self._wire)
         if not self.replica.commit():
             self._say(f"step {step + 1} did not commit (a replica group failed or is "
                       "missing): it is done again")
