@@ -1,5 +1,5 @@
-"""A Trainer in a live job (``fault_tolerance.mode: live``): what a replacement group
-heals from, and the random seeds of each step.
+"""A Trainer in a live job (``fault_tolerance.mode: live``): each step's meeting with the
+other replica groups, what a replacement group heals from, and the random seeds of each step.
 
 A replacement loads a live group's model, optimizer, scheduler, gradient scaler, counters
 and data position. Random numbers are not copied: in a live job every step draws from
@@ -14,10 +14,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
 
+from shoal.data.sharding import position_after
 from shoal.errors import UsageError
 from shoal.ft import ReplicaPlace
-from shoal.ft.session import LiveSession
+from shoal.ft.session import LiveSession, Redo
 from shoal.parallel.zero import is_zero, load_local_optimizer_state, local_optimizer_state
 from shoal.training.checkpointing import (
     load_model_and_optimizer_state,
@@ -96,6 +98,31 @@ def load_live_state(t: Trainer, state: dict[str, Any]) -> None:
                                                state["position"])
     t.accumulate = state["accumulate"]
     t.skipped_steps = list(state["skipped_steps"])
+
+
+def check_loader(loader: DataLoader) -> None:
+    if position_after(loader, 0) is None:
+        raise UsageError("live recovery starts a step again from its first sample, "
+                         "which needs a map-style Dataset (or a DataLoader with a plain "
+                         "sampler) that shoal splits itself")
+
+
+def begin_step(t: Trainer, loader: DataLoader, batch: int) -> None:
+    """Before the first micro-batch of a step (the loader's ``batch``): meet the other
+    groups (a replacement heals here, and raises Redo), and seed the step."""
+    t.step_position = position_after(loader, batch)
+    t.live.begin_step()
+    seed_step(t)
+
+
+def end_step(t: Trainer, window_samples: int | None) -> None:
+    """After backward: average the gradients over the groups; raises Redo when the step
+    does not commit (nothing of it is applied)."""
+    if not t.live.end_step(gradients(t.model),
+                           (window_samples or 0) // t.harness.replica_groups[0],
+                           t.global_step):
+        t.optimizer.zero_grad(set_to_none=True)
+        raise Redo()
 
 
 def seed_step(t: Trainer) -> None:
