@@ -1,13 +1,15 @@
 """A digits job for the live-recovery tests, run by `shoal run --replica-groups R`.
 
-    live_job.py OUT STEPS [--kill GROUP:STEP[:SIGNAL]]... [--pace STEP:SECONDS]
-                [--hold STEP] [--checkpoints DIR] [--metrics DIR]
+    live_job.py OUT STEPS [--kill GROUP:STEP[:SIGNAL[:RANK]]]... [--pace STEP:SECONDS]
+                [--hold STEP] [--checkpoints DIR] [--metrics DIR] [--strategy S]
+                [--compression C]
 
 Every worker writes its pid per attempt (OUT/pid.g<group>.a<attempt>.r<rank>) and, at the
-end, its model and optimizer state (OUT/final.g<group>.r<rank>.pt). ``--kill G:S`` makes
-group G's rank 0 kill itself (SIGKILL) in the forward pass of step S + 1, once (a marker
-file remembers it), i.e. mid-step, before its gradients reach the other groups;
-``--kill G:S:SIGSTOP`` freezes it there instead.
+end, the whole model and optimizer state keyed by name, the same under every strategy
+(OUT/final.g<group>.r<rank>.pt). ``--kill G:S`` makes group G's rank 0 (or RANK) kill
+itself (SIGKILL) in the forward pass of step S + 1, once (a marker file remembers it),
+i.e. mid-step, before its gradients reach the other groups; ``--kill G:S:SIGSTOP`` freezes
+it there instead.
 ``--pace K:S``: after step K group 0 waits until a replacement of group 1 has started, then
 takes at least S seconds per step (so that the replacement rejoins before the run ends,
 under policy 'available'). ``--hold K``: after step K group 0 writes OUT/held and waits for
@@ -22,9 +24,23 @@ import signal
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import shoal
 from shoal.examples.digits import build_data, build_model
+from shoal.parallel.zero import gather_optimizer_state, is_zero
+
+
+def full_state(trainer: shoal.Trainer) -> dict:
+    """The whole model and optimizer state, keyed by name (collective inside the group)."""
+    options = StateDictOptions(full_state_dict=True)
+    if is_zero(trainer.optimizer):
+        model, _ = get_state_dict(trainer.model, [], options=options)
+        return {"model": model,
+                "optimizer": gather_optimizer_state(trainer.model, trainer.optimizer)}
+    model, optimizer = get_state_dict(trainer.model, trainer.optimizer, options=options)
+    return {"model": model, "optimizer": optimizer}
+
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -36,6 +52,8 @@ parser.add_argument("--checkpoints", default=None, help="checkpoint every step, 
 parser.add_argument("--hold", type=int, default=None,
                     help="after this step group 0 writes OUT/held and waits for OUT/go")
 parser.add_argument("--step-sleep", type=float, default=None)
+parser.add_argument("--strategy", default="ddp")
+parser.add_argument("--compression", default="none")
 args = parser.parse_args()
 out = Path(args.out)
 shoal.init("gloo")
@@ -45,13 +63,14 @@ rank = shoal.rank()
 (out / f"pid.g{group}.a{attempt}.r{rank}").write_text(str(os.getpid()))
 model = build_model(hidden=64)
 trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch_size=16,
-                        progress=False, max_steps=args.steps,
+                        progress=False, max_steps=args.steps, strategy=args.strategy,
+                        compression=args.compression,
                         metrics={"dir": args.metrics} if args.metrics else {"enabled": False},
                         **({"checkpoint_dir": args.checkpoints, "checkpoint_every": 1,
                             "resume": "auto"} if args.checkpoints else {}))
 for spec in args.kill:
     g, step, *sig = spec.split(":")
-    if int(g) == group and rank == 0:
+    if int(g) == group and rank == (int(sig[1]) if len(sig) > 1 else 0):
         signum = getattr(signal, sig[0]) if sig else signal.SIGKILL
         marker = out / f"killed.{spec}"
 
@@ -89,6 +108,5 @@ if args.step_sleep is not None:
         time.sleep(args.step_sleep)
     trainer.optimizer.register_step_post_hook(step_sleep)
 trainer.fit(build_data()[0])
-torch.save({"model": trainer.module.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-            "step": trainer.global_step},
+torch.save({**full_state(trainer), "step": trainer.global_step},
            out / f"final.g{group}.r{rank}.pt")

@@ -40,7 +40,7 @@ def test_replica_groups_choose_live_mode_and_the_flags_win():
 @pytest.mark.parametrize("flags, message", [
     (_flags(ft_policy="exact"), "--ft-policy, --lighthouse and --ft-\\*-timeout are "
                                 "settings of live mode"),
-    (_flags(ft_step_timeout=2.0), "are settings of live mode: add --replica-groups R"),
+    (_flags(ft_step_timeout=2.0), "are settings of live mode: add --ft-mode live"),
     (_flags(replica_groups=2, ft_step_timeout=5, ft_replacement_timeout=5),
      "step_timeout_s 5.0 must be shorter than replacement_timeout_s 5.0"),
     (_flags(replica_groups=1), "live mode needs at least 2 replica groups"),

@@ -150,15 +150,26 @@ class Replica:
             raise
         return Quorum(participants=self._manager.num_participants(), healed=self._healed)
 
-    def average(self, tensors: Sequence[torch.Tensor]) -> None:
+    def average(self, tensors: Sequence[torch.Tensor], wire: torch.dtype | None = None
+                ) -> None:
         """Average ``tensors`` (flattened into one buffer) over the groups of this step; on
-        a failure the step is marked as errored (``commit`` then says False)."""
+        a failure the step is marked as errored (``commit`` then says False).
+
+        ``wire`` (float16, bfloat16): sent in that precision, divided by the groups before
+        the sum as torch's compression hooks do inside a group (no overflow of the sum;
+        the very rounding of one process group of that many ranks)."""
         if not tensors:
             return
         import torch
+        from torch.distributed import ReduceOp
 
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        self._manager.allreduce(flat).wait()
+        if wire is None:
+            self._manager.allreduce(flat).wait()
+        else:
+            sent = flat.to(wire).div_(self._manager.num_participants())
+            self._manager.allreduce(sent, reduce_op=ReduceOp.SUM).wait()
+            flat = sent.to(flat.dtype)
         offset = 0
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

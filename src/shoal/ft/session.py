@@ -49,7 +49,8 @@ class LiveSession:
 
     def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None],
-                 record: Callable[..., None] = lambda step, **fields: None):
+                 record: Callable[..., None] = lambda step, **fields: None,
+                 wire: torch.dtype | None = None):
         from shoal.ft.engine import Replica  # imports torchft: only in a live job
 
         self.place = place
@@ -61,6 +62,7 @@ class LiveSession:
         self.healed: list[dict] = []
         """Each heal of this group: step, bytes, seconds."""
         self._state, self._load, self._record = state, load, record
+        self._wire = wire  # the precision gradients are sent in across groups (fp16, bf16)
         self._quorum = None  # the quorum of the step under way
         self._participants = place.groups
         self._started = 0.0
@@ -131,7 +133,7 @@ class LiveSession:
         ``samples``: this group's samples in the step (what a missing group skipped)."""
         quorum, self._quorum = self._quorum, None
         with heartbeat.waiting():  # each wait for the other groups has its own deadline
-            self.replica.average(grads)
+            self.replica.average(grads, self._wire)
             committed = self.replica.commit()
         if not committed:
             self._say(f"step {step + 1} did not commit (a replica group failed or is "

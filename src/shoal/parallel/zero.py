@@ -149,3 +149,18 @@ def load_optimizer_state(model: nn.Module, zero: ZeroRedundancyOptimizer, state:
         "state": {index[n]: s for n, s in state["state"].items()},
         "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
                          for g in state["param_groups"]]})
+
+
+def local_optimizer_state(zero: ZeroRedundancyOptimizer) -> dict:
+    """This rank's share of the optimizer state and the groups' settings (learning rate,
+    ...), without talking to the other ranks: what rank r of a group gives rank r of
+    another group that has the same layout (see ``load_local_optimizer_state``)."""
+    return {"local": zero.optim.state_dict(),
+            "groups": [{k: v for k, v in g.items() if k != "params"}
+                       for g in zero.param_groups]}
+
+
+def load_local_optimizer_state(zero: ZeroRedundancyOptimizer, state: dict) -> None:
+    zero.optim.load_state_dict(state["local"])
+    for group, settings in zip(zero.param_groups, state["groups"], strict=True):
+        group.update(settings)

@@ -177,3 +177,12 @@ def check_loss_functions(loss_fn: Any, step_fn: Any) -> None:
                              f"{inspect.signature(fn)}") from None
         except ValueError:
             pass  # a builtin without a signature: called as documented
+
+
+def pipeline_pair(batch: Any) -> tuple[Any, Any]:
+    """A pipeline's batch: its stages pass one tensor along and the last compares it with
+    the targets, so batches must be (inputs, targets)."""
+    if is_pair(batch):
+        return batch[0], batch[1]
+    raise UsageError("with pipeline parallelism batches must be (inputs, targets) pairs; got "
+                     f"{type(batch).__name__}")

@@ -1,5 +1,5 @@
-"""A Trainer in a live job (``fault_tolerance.mode: live``): what a replacement group
-heals from, and the random seeds of each step.
+"""A Trainer in a live job (``fault_tolerance.mode: live``): each step's meeting with the
+other replica groups, what a replacement group heals from, and the random seeds of each step.
 
 A replacement loads a live group's model, optimizer, scheduler, gradient scaler, counters
 and data position. Random numbers are not copied: in a live job every step draws from
@@ -12,11 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
 
+from shoal.data.sharding import position_after
 from shoal.errors import UsageError
 from shoal.ft import ReplicaPlace
-from shoal.ft.session import LiveSession
+from shoal.ft.session import LiveSession, Redo
+from shoal.parallel.zero import is_zero, load_local_optimizer_state, local_optimizer_state
 from shoal.training.checkpointing import (
     load_model_and_optimizer_state,
     model_and_optimizer_state,
@@ -40,6 +44,12 @@ def open_live(trainer: Trainer) -> LiveSession | None:
         what = f"strategy '{c.strategy}'" if c.parallel.pp == 1 else "pipeline parallelism"
         raise UsageError(f"live recovery does not support {what} yet: use "
                          "fault_tolerance.mode 'restart'")
+    compression = c.compression.name
+    if compression in ("powersgd", "topk") and place.config.policy == "exact":
+        raise UsageError(f"compression '{compression}' keeps an error-feedback residual in "
+                         "each rank that a replacement cannot heal from a live group, so "
+                         "policy 'exact' could not end equal to a run without failures: use "
+                         "--ft-policy available, or compression fp16 or bf16")
     h = trainer.harness
     h.replica_groups = (place.groups, place.group)
     def record(step: int, **fields: Any) -> None:  # a change of who takes part, in metrics
@@ -47,12 +57,26 @@ def open_live(trainer: Trainer) -> LiveSession | None:
             trainer._metrics.record("event", step, **fields)
 
     return LiveSession(place, h.rank, h.world_size, state=lambda: live_state(trainer),
-                       load=lambda state: load_live_state(trainer, state), record=record)
+                       load=lambda state: load_live_state(trainer, state), record=record,
+                       wire=_WIRE.get(compression))
+
+
+# Compressions that apply across groups too: stateless, the same rounding on every rank.
+_WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def live_state(t: Trainer) -> dict[str, Any]:
-    """Everything a replacement needs to continue exactly as a live group will."""
-    model, optimizer = model_and_optimizer_state(t.state_model, t.optimizer)
+    """Everything a replacement needs to continue exactly as a live group will.
+
+    Rank r of a group heals from rank r of a live group (torchft's manager pairs them),
+    and the groups have the same layout, so each rank sends only what it holds itself (its
+    shards under zero2 and fsdp): no collective inside the group, whose other ranks may be
+    receiving at the same time (at the start every rank syncs from a group of its own)."""
+    if is_zero(t.optimizer):  # the whole optimizer state would be gathered: this share
+        model = get_model_state_dict(t.state_model)
+        optimizer = local_optimizer_state(t.optimizer)
+    else:
+        model, optimizer = model_and_optimizer_state(t.state_model, t.optimizer)
     return {"model": model, "optimizer": optimizer,
             "scaler": t.harness.precision.state_dict(),
             "lr_scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler else None,
@@ -61,8 +85,12 @@ def live_state(t: Trainer) -> dict[str, Any]:
 
 
 def load_live_state(t: Trainer, state: dict[str, Any]) -> None:
-    load_model_and_optimizer_state(t.state_model, t.optimizer, state["model"],
-                                   state["optimizer"])
+    if is_zero(t.optimizer):
+        set_model_state_dict(t.state_model, state["model"])
+        load_local_optimizer_state(t.optimizer, state["optimizer"])
+    else:
+        load_model_and_optimizer_state(t.state_model, t.optimizer, state["model"],
+                                       state["optimizer"])
     t.harness.precision.load_state_dict(state["scaler"])
     if t.lr_scheduler is not None:
         t.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -70,6 +98,31 @@ def load_live_state(t: Trainer, state: dict[str, Any]) -> None:
                                                state["position"])
     t.accumulate = state["accumulate"]
     t.skipped_steps = list(state["skipped_steps"])
+
+
+def check_loader(loader: DataLoader) -> None:
+    if position_after(loader, 0) is None:
+        raise UsageError("live recovery starts a step again from its first sample, "
+                         "which needs a map-style Dataset (or a DataLoader with a plain "
+                         "sampler) that shoal splits itself")
+
+
+def begin_step(t: Trainer, loader: DataLoader, batch: int) -> None:
+    """Before the first micro-batch of a step (the loader's ``batch``): meet the other
+    groups (a replacement heals here, and raises Redo), and seed the step."""
+    t.step_position = position_after(loader, batch)
+    t.live.begin_step()
+    seed_step(t)
+
+
+def end_step(t: Trainer, window_samples: int | None) -> None:
+    """After backward: average the gradients over the groups; raises Redo when the step
+    does not commit (nothing of it is applied)."""
+    if not t.live.end_step(gradients(t.model),
+                           (window_samples or 0) // t.harness.replica_groups[0],
+                           t.global_step):
+        t.optimizer.zero_grad(set_to_none=True)
+        raise Redo()
 
 
 def seed_step(t: Trainer) -> None:

@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader, Dataset
 from shoal.data.sharding import (
     agreed_batches,
     agreed_length,
-    lockstep_batches,
     position_after,
     samples_between,
     set_epoch,
@@ -37,28 +36,19 @@ from shoal.training.batches import (
     LossFn,
     StepFn,
     check_loss_functions,
-    is_pair,
     loss_of,
-    model_loss,
+    pipeline_pair,
     samples_in,
     tokens_in,
 )
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
+from shoal.training.evaluation import validate
 from shoal.training.harness import Harness, seed_everything
-from shoal.training.live import gradients, open_live, seed_step
+from shoal.training.live import begin_step, check_loader, end_step, open_live
 from shoal.training.preemption import PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
-
-
-def _pair(batch: Any) -> tuple[Any, Any]:
-    """A pipeline's batch: its stages pass one tensor along and the last compares it with
-    the targets, so batches must be (inputs, targets)."""
-    if is_pair(batch):
-        return batch[0], batch[1]
-    raise UsageError("with pipeline parallelism batches must be (inputs, targets) pairs; got "
-                     f"{type(batch).__name__}")
 
 
 def _all_gather_flags(flag: bool) -> list[bool]:
@@ -181,10 +171,8 @@ class Trainer:
         if not writes:
             self.checkpointing = None
         loader = self._loader(train_data, evaluation=False)
-        if self.live is not None and position_after(loader, 0) is None:
-            raise UsageError("live recovery starts a step again from its first sample, "
-                             "which needs a map-style Dataset (or a DataLoader with a plain "
-                             "sampler) that shoal splits itself")
+        if self.live is not None:
+            check_loader(loader)
         consumed = 0
         if c.resume:  # a path without checkpoint_dir is read, and nothing is written
             # (A live group other than 0 reads the checkpoints group 0 writes.)
@@ -297,13 +285,11 @@ class Trainer:
                 window_samples = samples_between(loader, i, i + window)
                 step_loss, step_samples, step_tokens = 0, 0, 0
                 if self.live is not None:  # meet the other replica groups (may heal)
-                    self.step_position = position_after(loader, i)
-                    self.live.begin_step()
-                    seed_step(self)
+                    begin_step(self, loader, i)
             batch = h.to_device(batch)
             n = samples_in(batch)
             if self.pipeline:  # forward and backward through every stage in one call
-                inputs, targets = _pair(batch)
+                inputs, targets = pipeline_pair(batch)
                 loss = h.pipeline_step(model, inputs, targets,
                                        scale=self._weight(window, window_samples, n))
             else:
@@ -326,11 +312,8 @@ class Trainer:
             if length is None and position + 1 < k:
                 # The stream ended inside a window: its gradients were divided by k.
                 _rescale_gradients(model, k / (position + 1))
-            if self.live is not None and not self.live.end_step(
-                    gradients(model), (window_samples or 0) // h.replica_groups[0],
-                    self.global_step):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise Redo()
+            if self.live is not None:  # the mean over the groups (or Redo)
+                end_step(self, window_samples)
             self._optimizer_step(position_after(loader, micro_batches), loss)
             if self._metrics:
                 self._metrics.step(self.global_step, self.epoch,
@@ -445,62 +428,9 @@ class Trainer:
                   f"{preemption_exit_code(signum)}", file=sys.stderr, flush=True)
         raise SystemExit(preemption_exit_code(signum))
 
-    @torch.no_grad()
     def validate(self, val_data: Dataset | DataLoader) -> dict[str, float]:
         """Loss (and accuracy for class targets) over the whole validation set, all ranks."""
-        h = self.harness
-        loader = self._loader(val_data, evaluation=True)
-        module = self.module
-        was_training = module.training
-        module.eval()
-        # loss * n, correct, n, batches not of class targets: summed over ranks, so the
-        # mean weights every sample once (tp ranks each count every sample: the same mean).
-        totals = torch.zeros(4, device=h.device, dtype=torch.float64)
-        batches = lockstep_batches(loader, h.device) if h.sharded else ((b, True) for b in loader)
-        for batch, counts in batches:
-            heartbeat(self.global_step)  # a long validation is progress too
-            batch = h.to_device(batch)
-            loss, correct = self._evaluate(module, batch)
-            if not counts or loss is None:
-                continue
-            n = samples_in(batch)
-            totals[0] += loss.double() * n
-            totals[2] += n
-            if correct is None:
-                totals[3] += 1
-            else:
-                totals[1] += correct
-        module.train(was_training)
-        if h.world_size > 1:
-            torch.distributed.all_reduce(totals)
-        classify = totals[3].item() == 0
-        count = totals[2].clamp(min=1)
-        result = {"val_loss": (totals[0] / count).item()}
-        if classify:
-            result["val_accuracy"] = (totals[1] / count).item()
-        return result
-
-    def _evaluate(self, module: nn.Module, batch: Any
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A validation batch's mean loss (None on a pipeline stage without outputs) and,
-        for class targets, its number of correct predictions."""
-        h = self.harness
-        if self.pipeline or (is_pair(batch) and self.step_fn is None):
-            inputs, targets = _pair(batch)
-            with h.autocast():
-                outputs = self.model.evaluate(inputs, targets) if self.pipeline \
-                    else module(inputs)
-        else:
-            with h.autocast():
-                return loss_of(module, batch, self.loss_fn, self.step_fn), None
-        if outputs is None:
-            return None, None
-        if not isinstance(outputs, torch.Tensor):  # the model's own structure
-            return (self.loss_fn(outputs, targets) if self.loss_fn else model_loss(outputs)), None
-        loss = (self.loss_fn or F.cross_entropy)(outputs.float(), targets)
-        if outputs.dim() == 2 and not targets.is_floating_point():
-            return loss, (outputs.argmax(dim=1) == targets).sum()
-        return loss, None
+        return validate(self, val_data)
 
     def _report_epoch(self, metrics: dict[str, float], progress: Progress) -> None:
         if not progress.enabled:
