@@ -45,3 +45,15 @@ def single_process():
     shoal.init("gloo")
     yield
     shoal.cleanup()
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """What a test sets in this process's environment (a launcher called in-process sets
+    its workers' interface and rendezvous variables) does not reach the processes that
+    later tests start."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -4,7 +4,9 @@ run across hosts is tests/multihost/test_live_nodes.py)."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+from unittest import mock
 
 import pytest
 
@@ -64,9 +66,11 @@ def test_node_0_says_when_it_cannot_listen_for_the_lighthouse():
         port = sock.getsockname()[1]
         spec = _spec("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
                      "--master-port", str(port), "--ft-mode", "live")
-        with pytest.raises(UsageError, match=rf"--master-port {port} on 127.0.0.1 is "
-                                             r"already in use .*its launcher starts the "
-                                             "live job's lighthouse there"):
+        # (The launcher sets the interface variables for its workers: kept out of the
+        # environment of the tests that run after this one.)
+        with mock.patch.dict(os.environ), pytest.raises(
+                UsageError, match=rf"--master-port {port} on 127.0.0.1 is already in use "
+                                  r".*its launcher starts the live job's lighthouse there"):
             launch_live_nodes(spec)
 
 
