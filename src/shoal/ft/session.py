@@ -103,8 +103,9 @@ class LiveSession:
             took = time.monotonic() - self._started
             self.healed.append({"step": self._received_step, "bytes": self._received,
                                 "seconds": took})
-            self._say(f"healed from a live group at step {self._received_step} "
-                      f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
+            if self._received_step > 0:  # at step 0: the start's copy of group 0's weights
+                self._say(f"healed from a live group at step {self._received_step} "
+                          f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
             raise Redo()
 
     def _meet(self) -> Quorum:
