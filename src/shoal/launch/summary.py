@@ -138,9 +138,13 @@ def collect_failures(failed: ChildFailedError, log_dir: str, first_rank: int = 0
     known = {f.local_rank for f in failures.values()}
     for path in glob.glob(os.path.join(attempt, "*", "error.json")):
         local_rank = int(os.path.basename(os.path.dirname(path)))
-        if local_rank not in known:
+        if local_rank in known:
+            continue
+        try:
             failures[first_rank + local_rank] = ProcessFailure(
                 local_rank=local_rank, pid=0, exitcode=1, error_file=path)
+        except ValueError:  # a rank stopped while it wrote its file: nothing to tell
+            continue
     return failures
 
 
