@@ -151,6 +151,9 @@ def _let_the_peer_be_seen_first(exc: BaseException) -> None:
     from shoal.launch.summary import PEER_LOST
 
     if any(marker in str(exc) for marker in PEER_LOST):
+        # The agent's SIGTERM ends the wait: a handler the job set (a checkpoint at the next
+        # step, on preemption) has no step left to save at.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(_PEER_WAIT_S)
 
 
