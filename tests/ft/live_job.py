@@ -2,7 +2,7 @@
 
     live_job.py OUT STEPS [--kill GROUP:STEP[:SIGNAL[:RANK]]]... [--pace STEP:SECONDS]
                 [--hold STEP] [--checkpoints DIR] [--metrics DIR] [--strategy S]
-                [--compression C]
+                [--compression C] [--period H]
 
 Every worker writes its pid per attempt (OUT/pid.g<group>.a<attempt>.r<rank>) and, at the
 end, the whole model and optimizer state keyed by name, the same under every strategy
@@ -54,6 +54,7 @@ parser.add_argument("--hold", type=int, default=None,
 parser.add_argument("--step-sleep", type=float, default=None)
 parser.add_argument("--strategy", default="ddp")
 parser.add_argument("--compression", default="none")
+parser.add_argument("--period", type=int, default=None, help="of local_sgd or diloco")
 args = parser.parse_args()
 out = Path(args.out)
 shoal.init("gloo")
@@ -65,6 +66,7 @@ model = build_model(hidden=64)
 trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch_size=16,
                         progress=False, max_steps=args.steps, strategy=args.strategy,
                         compression=args.compression,
+                        **({args.strategy: {"period": args.period}} if args.period else {}),
                         metrics={"dir": args.metrics} if args.metrics else {"enabled": False},
                         **({"checkpoint_dir": args.checkpoints, "checkpoint_every": 1,
                             "resume": "auto"} if args.checkpoints else {}))

@@ -13,9 +13,6 @@ were measured against the 4-process job once (TOLERANCE).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,12 +22,12 @@ from torch.utils._pytree import tree_leaves
 import shoal
 from shoal.errors import UsageError
 from shoal.ft import FaultToleranceConfig, ReplicaPlace
+from tests.ft.runs import Runs
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.timeout(300)
 
-JOB = str(Path(__file__).with_name("live_job.py"))
 STEPS = 8
 KILL = "1:4:SIGKILL:1"  # group 1's rank 1 kills itself in the forward pass of step 5
 # 2 groups x 2 against one job of 4: the gradient mean sums the same numbers in another
@@ -40,45 +37,10 @@ KILL = "1:4:SIGKILL:1"  # group 1's rank 1 kills itself in the forward pass of s
 TOLERANCE = 1e-5
 
 
-class Runs:
-    """`shoal run`s of the job, each started once and waited for when first asked."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.started: dict[str, tuple[Path, subprocess.Popen]] = {}
-        self.outputs: dict[str, str] = {}
-
-    def start(self, name: str, *flags: str, job: str = "") -> None:
-        """Start `shoal run FLAGS live_job.py OUT STEPS JOB` as ``name``, unless it is."""
-        if name in self.started:
-            return
-        out = self.root / name
-        out.mkdir()
-        cmd = [sys.executable, "-m", "shoal", "run", "--hang-timeout", "0", *flags,
-               JOB, str(out), str(STEPS), *job.split()]
-        self.started[name] = out, subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-    def wait(self, name: str) -> tuple[Path, str]:
-        out, process = self.started[name]
-        if name not in self.outputs:
-            self.outputs[name], _ = process.communicate(timeout=240)
-            assert process.returncode == 0, self.outputs[name][-4000:]
-        return out, self.outputs[name]
-
-    def close(self) -> None:
-        for _, process in self.started.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    runs = Runs(tmp_path_factory.mktemp("runs"))
-    yield runs
-    runs.close()
+    with Runs(tmp_path_factory.mktemp("runs"), STEPS) as runs:
+        yield runs
 
 
 def _live(runs: Runs, strategy: str) -> None:

@@ -96,6 +96,11 @@ def _heal_transport(host: str, timeout: timedelta) -> Any:
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class _Transport(HTTPTransport):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            # Not an access-log line in the job's output per heal request.
+            self._server.RequestHandlerClass.log_message = lambda *_: None
+
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
             name = f"[{host}]" if ":" in host else host
@@ -174,6 +179,17 @@ class Replica:
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+    def sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` (any dtype) over the groups of this step, in place; on a failure
+        the step is marked as errored."""
+        from torch.distributed import ReduceOp
+
+        self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+
+    def abstain(self) -> None:
+        """Vote against committing the step under way (every group then does it again)."""
+        self._manager.report_error(RuntimeError("a replica group is catching up"))
 
     @property
     def step(self) -> int:

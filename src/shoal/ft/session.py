@@ -8,10 +8,20 @@
 A step that does not commit changes nothing (no optimizer step, no counter), so doing it
 again from where it began loses no step. Under 'exact' a step commits only with every group
 in it: while one is missing the others wait in the next quorum.
+
+The periodic strategies (local_sgd, diloco) meet the other groups only every few steps:
+
+    session.join(blank)           # the first step of this process (a replacement heals here)
+    mean = session.meet(flat)     # a meeting, held until it commits
+
+Under 'exact' each meeting also hands every group the others' private state (what differs
+between groups: the inner optimizer), so that a replacement starts again from its own group's
+state at the last meeting and redoes the steps since, while the others wait at the next.
 """
 
 from __future__ import annotations
 
+import io
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +60,8 @@ class LiveSession:
     def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None],
                  record: Callable[..., None] = lambda step, **fields: None,
-                 wire: torch.dtype | None = None):
+                 wire: torch.dtype | None = None,
+                 private: Callable[[], dict] | None = None):
         from shoal.ft.engine import Replica  # imports torchft: only in a live job
 
         self.place = place
@@ -66,6 +77,19 @@ class LiveSession:
         self._quorum = None  # the quorum of the step under way
         self._participants = place.groups
         self._started = 0.0
+        # Periodic strategies: `private` gives this rank's own state (set only for them).
+        self.periodic = private is not None
+        self._private = private
+        self._exact = place.config.policy == "exact"
+        self.joined = False
+        self.round: dict | None = None
+        """'exact', periodic: this group's state at the last meeting (kept by ``keep_round``)."""
+        self.round_due = False  # a meeting committed: keep the round's state next
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # every group's private
+        self._contributes = True  # False: the meeting under way counts this group out
+        self.round_samples = 0  # this group's samples since the last meeting
+        self.redo = False  # 'available': this group healed in a meeting (its step moved)
+        self.step_now: Callable[[], int] = lambda: 0  # the trainer's step (for what is said)
         try:
             self.replica = Replica(place, group_rank, group_size, self._send, self._receive)
         except RuntimeError as exc:  # torchft's: the lighthouse does not answer
@@ -73,13 +97,24 @@ class LiveSession:
                             f"({str(exc).splitlines()[0][:200]})") from None
 
     def _send(self) -> dict:
+        if self.round is not None:  # 'exact', periodic: the last meeting's state
+            return {"round": self.round, "rows": self._rows,
+                    "skipped_samples": self.skipped_samples}
         return {"trainer": self._state(), "skipped_samples": self.skipped_samples}
 
     def _receive(self, state: dict) -> None:
-        self._load(state["trainer"])
+        if "round" in state:  # this group's own state at the last meeting
+            rows, lengths = state["rows"]
+            mine = rows[self.place.group, :int(lengths[self.place.group])]
+            private = torch.load(io.BytesIO(mine.numpy().tobytes()), weights_only=True)
+            self._load({**state["round"], **private})
+            self.round, self._rows = state["round"], state["rows"]
+            self._received_step = state["round"]["global_step"]
+        else:
+            self._load(state["trainer"])
+            self._received_step = state["trainer"]["global_step"]
         self.skipped_samples = state["skipped_samples"]
         self._received = state_bytes(state)
-        self._received_step = state["trainer"]["global_step"]
 
     def _say(self, message: str) -> None:
         if self.talks:
@@ -154,6 +189,129 @@ class LiveSession:
             self._record(step + 1, kind="replica_groups", taking_part=joined, groups=groups,
                          skipped_samples=self.skipped_samples)
         return True
+
+    def join(self, blank: torch.Tensor) -> bool:
+        """Periodic strategies, at this process's first step: meet the others. At the job's
+        start every group is at step 0 and this is a meeting with nothing to average. A
+        replacement heals here: under 'exact' from its own group's state at the last meeting
+        (it raises Redo, to redo its steps since, and the others wait at the meeting); under
+        'available' from a live group's state now (returns True: it then takes this
+        meeting's mean without adding to it). ``blank``: a meeting's contribution, any
+        values."""
+        if self.joined:
+            return False
+        self.joined = True
+        self._started = time.monotonic()
+        self._quorum = self._meet()
+        while (self.replica.step == 0 and not self._quorum.healed
+               and self._quorum.participants < self.place.groups):
+            time.sleep(0.05)  # a job starts whole
+            self._quorum = self._meet()
+        if self.replica.step == 0:  # the start: the meeting that gives out private states
+            self.meet(blank.zero_(), start=True)
+            return False
+        took = time.monotonic() - self._started
+        self.healed.append({"step": self._received_step, "bytes": self._received,
+                            "seconds": took})
+        self._say(f"healed from a live group at step {self._received_step} "
+                  f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
+        if self._exact:  # this meeting is held again once this group has caught up
+            self._quorum = None
+            self._attempt(blank.zero_(), abstain=True)
+            self.replica.commit()  # (no: the others see this group's weight 0)
+            self._say(f"redoes its steps since the last meeting (step {self._received_step}) "
+                      "while the other groups wait")
+            raise Redo()
+        self._contributes = False
+        return True
+
+    def meet(self, flat: torch.Tensor, start: bool = False) -> torch.Tensor:
+        """Periodic strategies: the mean of ``flat`` over the groups, held again until it
+        commits (a group lost in it, or one catching up under 'exact'). Under 'available'
+        the mean is over the groups that bring something (a group just healed does not)."""
+        said = False
+        while True:
+            if self._quorum is None:
+                self._started = time.monotonic()
+                self._quorum = self._meet()
+            quorum, self._quorum = self._quorum, None
+            if quorum.healed and not start:  # behind ('available'): now a live group's clone
+                self._contributes, self.redo = False, True
+            mean, bringing, rows = self._attempt(flat.clone())
+            if self.replica.commit():
+                break
+            if not said and not start:
+                self._say(f"the meeting at step {self.step_now()} did not commit "
+                          "(a replica group failed or is catching up): it is held again")
+                said = True
+        self._contributes = True
+        self._rows, self.round_due = rows, self._exact
+        groups = self.place.groups
+        if bringing < groups and not start:
+            self.skipped_samples += (groups - bringing) * self.round_samples
+        if bringing != self._participants and not start:
+            step = self.step_now()
+            if bringing < groups:
+                self._say(f"the meeting at step {step}: {bringing} of {groups} replica "
+                          "groups bring their steps; the others' samples are skipped "
+                          "(policy available)")
+            else:
+                self._say(f"the meeting at step {step}: all {groups} replica groups bring "
+                          f"their steps again; {self.skipped_samples} samples skipped while "
+                          "some were missing")
+            self._participants = bringing
+            self._record(step, kind="replica_groups", taking_part=bringing, groups=groups,
+                         skipped_samples=self.skipped_samples)
+        self.round_samples = 0
+        return mean
+
+    def _attempt(self, flat: torch.Tensor, abstain: bool = False
+                 ) -> tuple[torch.Tensor, int, tuple | None]:
+        """One try of a meeting in the quorum under way: (mean, groups that brought to it,
+        every group's private state under 'exact'); kept only if the meeting commits.
+
+        Each group sends a weight with its share: 1, or 0 when it brings nothing (healed
+        in this meeting). A commit vote is taken inside each group only, so the weights'
+        sum is what every group sees alike: under 'exact' a meeting short of a group does
+        not commit anywhere. Under 'exact' the shares are divided first (as one process
+        group does) and the private states go with them."""
+        groups = self.place.groups
+        weight = 0.0 if abstain or not self._contributes else 1.0
+        if self._exact:
+            flat /= groups
+        share = flat.reshape(-1) if weight else torch.zeros_like(flat.reshape(-1))
+        sent = torch.cat([share, flat.new_full((1,), weight)])
+        self.replica.sum(sent)
+        bringing = round(float(sent[-1]))
+        rows = None
+        if self._exact:
+            rows = self._gather(b"" if abstain else self._serialized_private())
+            if bringing < groups:
+                self.replica.abstain()
+            return sent[:-1], bringing, rows
+        return sent[:-1] / max(bringing, 1), bringing, rows
+
+    def _serialized_private(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(self._private(), buffer)
+        return buffer.getvalue()
+
+    def _gather(self, blob: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every group's ``blob``, as rows of bytes (row g: group g's, its length apart)."""
+        group, groups = self.place.group, self.place.groups
+        lengths = torch.zeros(groups, dtype=torch.int64)
+        lengths[group] = len(blob)
+        self.replica.sum(lengths)
+        rows = torch.zeros(groups, int(lengths.max()), dtype=torch.uint8)
+        if blob:
+            rows[group, :len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        self.replica.sum(rows)
+        return rows, lengths
+
+    def keep_round(self, state: dict) -> None:
+        """'exact', periodic: this group's state just after a meeting (a deep copy), which a
+        replacement of any group starts again from (with its own private state)."""
+        self.round, self.round_due = state, False
 
     def close(self) -> None:
         self.replica.close()

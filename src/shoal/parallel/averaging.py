@@ -12,6 +12,7 @@ replicas start from rank 0's weights.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -75,30 +76,48 @@ class _Periodic:
         self.group = group
         self.world = dist.get_world_size(group)
         self.local_step = 0  # steps since the last meeting
+        self.across: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """In a live job: the mean over the replica groups (after the mean inside this
+        group). The meeting is then due at the start of the next step (``due``), where the
+        live session holds it, rather than at the end of the period's last step."""
 
     def after_step(self) -> None:
         self.local_step += 1
-        if self.local_step >= self.period:
+        if self.local_step >= self.period and self.across is None:
             self.synchronize()
+
+    @property
+    def due(self) -> bool:
+        return self.local_step >= self.period
 
     def synchronize(self) -> None:
         """Meet now, unless the replicas just met (the end of training calls this, so every
         rank ends with the same model)."""
         if self.local_step == 0:
             return
-        self.local_step = 0
         start = time.perf_counter()
         with torch.no_grad():
-            self.meet()
+            mean = self._all_reduce_mean(self.contribution())
+            if self.across is not None:
+                mean = self.across(mean)
+            self.apply(mean)
+        self.local_step = 0
         self.traffic.blocking(time.perf_counter() - start)
 
     def _all_reduce_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return flat
         self.traffic.sent(all_reduce_bytes(flat.numel() * flat.element_size(), self.world))
         flat /= self.world
         dist.all_reduce(flat, group=self.group)
         return flat
 
-    def meet(self) -> None:
+    def contribution(self) -> torch.Tensor:
+        """What this rank brings to the meeting (a new flat tensor)."""
+        raise NotImplementedError
+
+    def apply(self, mean: torch.Tensor) -> None:
+        """Take the meeting's mean of the contributions."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -111,8 +130,11 @@ class _Periodic:
 class LocalSGD(_Periodic):
     """Average the weights every ``period`` steps."""
 
-    def meet(self) -> None:
-        _unflatten_into(self._all_reduce_mean(_flat(self.params)), self.params)
+    def contribution(self) -> torch.Tensor:
+        return _flat(self.params)
+
+    def apply(self, mean: torch.Tensor) -> None:
+        _unflatten_into(mean, self.params)
 
 
 class DiLoCo(_Periodic):
@@ -128,10 +150,12 @@ class DiLoCo(_Periodic):
                                      momentum=config.outer_momentum,
                                      nesterov=config.outer_momentum > 0)
 
-    def meet(self) -> None:
+    def contribution(self) -> torch.Tensor:
         change = _flat(self.outer_params) - _flat(self.params)  # the outer "gradient"
-        sent = change.to(self.dtype) if self.dtype is not None else change
-        change = self._all_reduce_mean(sent).to(change.dtype)
+        return change.to(self.dtype) if self.dtype is not None else change
+
+    def apply(self, mean: torch.Tensor) -> None:
+        change = mean.to(self.outer_params[0].dtype)
         offset = 0
         for outer in self.outer_params:
             outer.grad = change[offset:offset + outer.numel()].view_as(outer).clone()

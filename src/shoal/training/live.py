@@ -5,10 +5,16 @@ A replacement loads a live group's model, optimizer, scheduler, gradient scaler,
 and data position. Random numbers are not copied: in a live job every step draws from
 seeds of its own (run seed, step, data-parallel rank over all groups), so a replacement
 draws what the lost group would have drawn, and a step done again draws the same numbers.
+
+Under local_sgd and diloco the groups train apart between meetings (every ``period``
+steps), and a meeting is held at the start of the step after the period's last. Under
+'exact' a replacement loads the state of the last meeting with its own group's optimizer
+state (each meeting gives every group the others'), and redoes the steps since.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -40,9 +46,8 @@ def open_live(trainer: Trainer) -> LiveSession | None:
                              "starts the replica groups and the lighthouse: run under "
                              "`shoal run --replica-groups N` or `shoal train`")
         return None
-    if c.strategy in ("local_sgd", "diloco") or c.parallel.pp > 1:
-        what = f"strategy '{c.strategy}'" if c.parallel.pp == 1 else "pipeline parallelism"
-        raise UsageError(f"live recovery does not support {what} yet: use "
+    if c.parallel.pp > 1:
+        raise UsageError("live recovery does not support pipeline parallelism yet: use "
                          "fault_tolerance.mode 'restart'")
     compression = c.compression.name
     if compression in ("powersgd", "topk") and place.config.policy == "exact":
@@ -56,9 +61,15 @@ def open_live(trainer: Trainer) -> LiveSession | None:
         if trainer._metrics is not None:
             trainer._metrics.record("event", step, **fields)
 
-    return LiveSession(place, h.rank, h.world_size, state=lambda: live_state(trainer),
-                       load=lambda state: load_live_state(trainer, state), record=record,
-                       wire=_WIRE.get(compression))
+    periodic = _periodic(trainer)
+    session = LiveSession(place, h.rank, h.world_size, state=lambda: live_state(trainer),
+                          load=lambda state: load_live_state(trainer, state), record=record,
+                          wire=_WIRE.get(compression),
+                          private=(lambda: private_state(trainer)) if periodic else None)
+    if periodic:
+        h.comm.across = session.meet
+        session.step_now = lambda: trainer.global_step
+    return session
 
 
 # Compressions that apply across groups too: stateless, the same rounding on every rank.
@@ -81,7 +92,20 @@ def live_state(t: Trainer) -> dict[str, Any]:
             "scaler": t.harness.precision.state_dict(),
             "lr_scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler else None,
             "global_step": t.global_step, "epoch": t.epoch, "position": t.step_position,
-            "accumulate": t.accumulate, "skipped_steps": list(t.skipped_steps)}
+            "accumulate": t.accumulate, "skipped_steps": list(t.skipped_steps),
+            **({"comm": t.harness.comm.state_dict()} if _periodic(t) else {})}
+
+
+def _periodic(t: Trainer) -> bool:
+    return t.config.strategy in ("local_sgd", "diloco")
+
+
+def private_state(t: Trainer) -> dict[str, Any]:
+    """local_sgd, diloco: what differs between groups after a meeting (their inner
+    optimizers, loss scales and skipped steps); ``live_state`` holds the rest."""
+    _, optimizer = model_and_optimizer_state(t.state_model, t.optimizer)
+    return {"optimizer": optimizer, "scaler": t.harness.precision.state_dict(),
+            "skipped_steps": list(t.skipped_steps)}
 
 
 def load_live_state(t: Trainer, state: dict[str, Any]) -> None:
@@ -98,6 +122,8 @@ def load_live_state(t: Trainer, state: dict[str, Any]) -> None:
                                                state["position"])
     t.accumulate = state["accumulate"]
     t.skipped_steps = list(state["skipped_steps"])
+    if "comm" in state:
+        t.harness.comm.load_state_dict(state["comm"])
 
 
 def check_loader(loader: DataLoader) -> None:
@@ -111,13 +137,28 @@ def begin_step(t: Trainer, loader: DataLoader, batch: int) -> None:
     """Before the first micro-batch of a step (the loader's ``batch``): meet the other
     groups (a replacement heals here, and raises Redo), and seed the step."""
     t.step_position = position_after(loader, batch)
-    t.live.begin_step()
+    live, comm = t.live, t.harness.comm
+    if live.periodic:  # local_sgd, diloco: a meeting when one is due
+        healed = live.join(comm.contribution())
+        if comm.due or healed:
+            t.harness.synchronize()
+        if healed or live.redo:  # 'available': now at a live group's step
+            live.redo = False
+            raise Redo()
+        if live.round_due:
+            live.keep_round(copy.deepcopy(live_state(t)))
+    else:
+        live.begin_step()
     seed_step(t)
 
 
 def end_step(t: Trainer, window_samples: int | None) -> None:
     """After backward: average the gradients over the groups; raises Redo when the step
-    does not commit (nothing of it is applied)."""
+    does not commit (nothing of it is applied). (local_sgd, diloco: the step's samples
+    are counted, for what a missing group skips.)"""
+    if t.live.periodic:
+        t.live.round_samples += (window_samples or 0) // t.harness.replica_groups[0]
+        return
     if not t.live.end_step(gradients(t.model),
                            (window_samples or 0) // t.harness.replica_groups[0],
                            t.global_step):

@@ -1,0 +1,52 @@
+"""Runs of tests/ft/live_job.py under `shoal run`, started beside each other and waited
+for when first asked (4-process runs are slow: a run and the one it is compared with run
+together)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+JOB = str(Path(__file__).with_name("live_job.py"))
+
+
+class Runs:
+    """`shoal run`s of the job, each started once and waited for when first asked."""
+
+    def __init__(self, root: Path, steps: int):
+        self.root, self.steps = root, steps
+        self.started: dict[str, tuple[Path, subprocess.Popen]] = {}
+        self.outputs: dict[str, str] = {}
+
+    def start(self, name: str, *flags: str, job: str = "") -> None:
+        """Start `shoal run FLAGS live_job.py OUT STEPS JOB` as ``name``, unless it is."""
+        if name in self.started:
+            return
+        out = self.root / name
+        out.mkdir()
+        cmd = [sys.executable, "-m", "shoal", "run", "--hang-timeout", "0", *flags,
+               JOB, str(out), str(self.steps), *job.split()]
+        self.started[name] = out, subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def wait(self, name: str) -> tuple[Path, str]:
+        out, process = self.started[name]
+        if name not in self.outputs:
+            self.outputs[name], _ = process.communicate(timeout=240)
+            assert process.returncode == 0, self.outputs[name][-4000:]
+        return out, self.outputs[name]
+
+    def __enter__(self) -> Runs:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for _, process in self.started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
