@@ -154,12 +154,14 @@ def test_available_goes_on_without_the_killed_group(tmp_path, ddp_run):
 
 def test_exact_without_a_replacement_falls_back_to_restart(tmp_path, ddp_run):
     """Policy exact, and the killed group has no restart left: one line says the job falls
-    back to today's restart; every group starts again from the last checkpoint, and the
-    run still ends bitwise equal to the run without failures."""
+    back to today's restart; the group waiting for it saves its last step and stops at
+    once (the SIGTERM ends its wait at the quorum), every group starts again from that
+    checkpoint, and the run still ends bitwise equal to the run without failures."""
     live = tmp_path / "live"
     output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "0",
                                 job=("--kill", "1:6", "--checkpoints", str(tmp_path / "ckpt"))))
     assert output.count("falling back to a restart of every group from the last "
                         "checkpoint (policy exact)") == 1
     assert "replica group 1 did not come back (exit code" in output
+    assert "shoal: preempted by SIGTERM at step 6: checkpoint saved" in output
     assert _equals_ddp(live, ddp_run())

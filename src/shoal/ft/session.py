@@ -22,6 +22,7 @@ state at the last meeting and redoes the steps since, while the others wait at t
 from __future__ import annotations
 
 import io
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,8 @@ class LiveSession:
         self._quorum = None  # the quorum of the step under way
         self._participants = place.groups
         self._started = 0.0
+        self.in_quorum = False  # waiting for the other groups at a quorum
+        self.leaving: int | None = None  # the exit code of a stop in a quorum wait
         # Periodic strategies: `private` gives this rank's own state (set only for them).
         self.periodic = private is not None
         self._private = private
@@ -154,7 +157,11 @@ class LiveSession:
                 # Waiting for the others (or a replacement) is not a hang: the call's own
                 # deadline ends it.
                 with heartbeat.waiting():
-                    return self.replica.quorum()
+                    self.in_quorum = True  # a preemption signal may end this wait
+                    try:
+                        return self.replica.quorum()
+                    finally:
+                        self.in_quorum = False
             except Exception as exc:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
                 if time.monotonic() >= deadline:
                     raise LiveError(
@@ -315,3 +322,9 @@ class LiveSession:
 
     def close(self) -> None:
         self.replica.close()
+        if self.leaving is not None:
+            # Stopped in a quorum wait: torchft's quorum thread would hold the exit until
+            # its own timeout (the state is saved: nothing is left to do).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.leaving)

@@ -5,12 +5,17 @@ handled while the Trainer fits with a checkpoint directory. Ranks agree through 
 all-reduce started after each optimizer step and waited for after the next one, so the
 check never blocks a step: the job stops at most two steps after the signal. The same
 all-reduce carries rank 0's "a timed checkpoint is due", so all ranks save at one step.
+
+A live job's rank that waits for the other replica groups (a quorum that may take minutes)
+is not at a step boundary: there the signal raises ``Preempted`` at once, and the Trainer
+saves the last committed step and exits.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,6 +28,15 @@ def exit_code(signum: int) -> int:
     return 128 + signum
 
 
+class Preempted(BaseException):
+    """A preemption signal that came while the rank waited for the other replica groups
+    (not an Exception: no retry loop may take it for a failed try)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class PreemptionWatch:
     """Catches the preemption signals and tells, at each step, whether all ranks stop."""
 
@@ -31,6 +45,8 @@ class PreemptionWatch:
         self.received: int | None = None
         self._previous: dict[int, object] = {}
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self.waiting: Callable[[], bool] = lambda: False
+        """Whether the rank now waits for the other replica groups (then a signal raises)."""
 
     def start(self) -> None:
         """Catch the signals (only the main thread may install handlers)."""
@@ -47,6 +63,8 @@ class PreemptionWatch:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.received = signum
+        if self.waiting():
+            raise Preempted(signum)
 
     def _settle(self) -> tuple[int, int]:
         """Wait for the outstanding agreement: (largest signal any rank saw, save due)."""

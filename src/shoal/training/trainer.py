@@ -46,7 +46,7 @@ from shoal.training.config import TrainerConfig
 from shoal.training.evaluation import validate
 from shoal.training.harness import Harness, seed_everything
 from shoal.training.live import begin_step, check_loader, end_step, open_live
-from shoal.training.preemption import PreemptionWatch
+from shoal.training.preemption import Preempted, PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
 
@@ -184,6 +184,8 @@ class Trainer:
                             enabled=c.progress and self.harness.is_main)
         metrics: dict[str, float] = {}
         self._preemption = PreemptionWatch(self.harness.device) if self.checkpointing else None
+        if self._preemption and self.live is not None:
+            self._preemption.waiting = lambda: self.live.in_quorum
         h = self.harness
         self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size,
                                     self.flops_per_token, c.precision,
@@ -205,6 +207,9 @@ class Trainer:
                 except Redo:  # live recovery: the step starts again where it began
                     consumed = self.step_position
                     continue
+                except Preempted as stop:  # while waiting for the other replica groups
+                    self.live.leaving = preemption_exit_code(stop.signum)
+                    self._stop_for(stop.signum, self.step_position)
                 consumed = 0
                 if not epoch_done or self._finished(epochs, max_steps, self.epoch + 1):
                     self.harness.synchronize()  # replicas that train apart end as one
@@ -228,12 +233,12 @@ class Trainer:
                 self._metrics.record("event", self.global_step, kind="end")
         finally:
             progress.close()
-            if self.live is not None:
-                self.live.close()
             if self._preemption:
                 self._preemption.stop()
             if self._metrics:
                 self._metrics.close()
+            if self.live is not None:
+                self.live.close()
         if self.checkpointing:
             if self.checkpointing.saved_step != self.global_step:
                 self.checkpointing.save(consumed)
