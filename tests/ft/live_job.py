@@ -13,7 +13,8 @@ it there instead.
 ``--pace K:S``: after step K group 0 waits until a replacement of group 1 has started, then
 takes at least S seconds per step (so that the replacement rejoins before the run ends,
 under policy 'available'). ``--hold K``: after step K group 0 writes OUT/held and waits for
-OUT/go (the test does something to the job meanwhile). ``--step-sleep S``: after each
+OUT/go (the test does something to the job meanwhile). ``--no-commit G:S``: group G takes
+its vote on step S as no, once, while the others commit it. ``--step-sleep S``: after each
 step every group writes its step to OUT/step.g<group> and sleeps S seconds (the test acts
 on a job under way).
 """
@@ -55,6 +56,8 @@ parser.add_argument("--step-sleep", type=float, default=None)
 parser.add_argument("--strategy", default="ddp")
 parser.add_argument("--compression", default="none")
 parser.add_argument("--period", type=int, default=None, help="of local_sgd or diloco")
+parser.add_argument("--no-commit", default=None,
+                    help="G:S: group G's vote on step S says no, once (the others commit)")
 args = parser.parse_args()
 out = Path(args.out)
 shoal.init("gloo")
@@ -109,6 +112,19 @@ if args.step_sleep is not None:
         (out / f"step.g{group}").write_text(str(trainer.global_step))
         time.sleep(args.step_sleep)
     trainer.optimizer.register_step_post_hook(step_sleep)
+if args.no_commit:
+    from shoal.ft.engine import Replica
+
+    g, step = map(int, args.no_commit.split(":"))
+    if group == g:
+        vote = Replica.commit
+
+        def commit_but_once(replica, said_no=[]):  # noqa: B006 - once per process
+            if replica.step == step - 1 and not said_no:  # S - 1 steps committed so far
+                said_no.append(True)
+                replica.abstain()
+            return vote(replica)
+        Replica.commit = commit_but_once
 trainer.fit(build_data()[0])
 torch.save({**full_state(trainer), "step": trainer.global_step},
            out / f"final.g{group}.r{rank}.pt")

@@ -124,3 +124,20 @@ def test_the_users_lighthouse_gone_for_good_stops_the_job(tmp_path):
                               rf"lighthouse http://127.0.0.1:{port} does not answer",
                               output)) == 1
     assert "falling back" not in output
+
+
+@pytest.mark.parametrize("policy", ["exact", "available"])
+def test_a_group_whose_last_step_did_not_commit_heals_from_the_others(tmp_path, policy):
+    """A commit vote is taken inside each group: group 1's last step fails (its vote says
+    no) where group 0's commits. Group 1 does the step again, meets group 0 in the quorum
+    group 0 holds after its last step, and heals from it, rather than doing the step alone
+    after group 0 has ended: both end as one model."""
+    live = tmp_path / "live"
+    output = _finish(_shoal_run(live, "--replica-groups", "2", "--ft-policy", policy,
+                                job=("--no-commit", f"1:{STEPS}")))
+    assert f"replica group 1: step {STEPS} did not commit" in output
+    assert f"replica group 1: healed from a live group at step {STEPS}" in output
+    final = [_final(live, group) for group in (0, 1)]
+    assert final[0]["step"] == final[1]["step"] == STEPS
+    assert states_equal(final[0]["model"], final[1]["model"])
+    assert states_equal(final[0]["optimizer"], final[1]["optimizer"])

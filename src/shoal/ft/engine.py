@@ -143,11 +143,13 @@ class Replica:
         self._load(state)
         self._healed = True
 
-    def quorum(self) -> Quorum:
-        """Meet the other groups for a step; a group behind heals here, before the step."""
+    def quorum(self, timeout_s: float | None = None) -> Quorum:
+        """Meet the other groups for a step; a group behind heals here, before the step.
+        ``timeout_s``: how long to wait for the quorum (default: the policy's)."""
         self._healed = False
         try:
-            self._manager.start_quorum()
+            self._manager.start_quorum(
+                timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None)
         except Exception:
             # torchft 0.2.0 keeps the failed quorum's future, and the next start_quorum
             # would raise its error again: drop it, so that a later try starts afresh.

@@ -197,6 +197,20 @@ class LiveSession:
                          skipped_samples=self.skipped_samples)
         return True
 
+    def finish(self) -> None:
+        """After the last step: one more quorum. A commit vote is taken inside each group,
+        so a group's last step may fail where the others' committed (its all-reduce timed
+        out): such a group, doing that step again, meets the others here and heals from
+        them, instead of doing it alone after they have ended (the groups end as one
+        model). Given up after ``step_timeout_s``: the others may have ended already."""
+        if self.periodic:
+            return
+        try:
+            with heartbeat.waiting():
+                self.replica.quorum(timeout_s=self.place.config.step_timeout_s)
+        except Exception:  # noqa: BLE001 - torchft's: the others have ended
+            pass
+
     def join(self, blank: torch.Tensor) -> bool:
         """Periodic strategies, at this process's first step: meet the others. At the job's
         start every group is at step 0 and this is a meeting with nothing to average. A

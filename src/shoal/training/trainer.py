@@ -227,6 +227,9 @@ class Trainer:
                 else:  # stopped by max_steps inside the epoch: it goes on from here
                     consumed = self._position or 0
                     break
+            if self.live is not None:
+                self.step_position = consumed  # what a group behind would heal to
+                self.live.finish()
             result = {**metrics, "global_step": self.global_step}
             if self._metrics:
                 self._metrics.finish(show_summary=c.progress, result=result)
