@@ -137,6 +137,7 @@ def test_a_group_whose_last_step_did_not_commit_heals_from_the_others(tmp_path, 
                                 job=("--no-commit", f"1:{STEPS}")))
     assert f"replica group 1: step {STEPS} did not commit" in output
     assert f"replica group 1: healed from a live group at step {STEPS}" in output
+    assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0"]  # no group started again
     final = [_final(live, group) for group in (0, 1)]
     assert final[0]["step"] == final[1]["step"] == STEPS
     assert states_equal(final[0]["model"], final[1]["model"])

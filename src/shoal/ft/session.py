@@ -202,14 +202,17 @@ class LiveSession:
         so a group's last step may fail where the others' committed (its all-reduce timed
         out): such a group, doing that step again, meets the others here and heals from
         them, instead of doing it alone after they have ended (the groups end as one
-        model). Given up after ``step_timeout_s``: the others may have ended already."""
+        model). Two quorums: a group behind heals in the first, and fetches the state only
+        after it (over HTTP); the second holds this group until then. Each is given up
+        after ``step_timeout_s``: the others may have ended already."""
         if self.periodic:
             return
-        try:
-            with heartbeat.waiting():
-                self.replica.quorum(timeout_s=self.place.config.step_timeout_s)
-        except Exception:  # noqa: BLE001 - torchft's: the others have ended
-            pass
+        for _ in range(2):
+            try:
+                with heartbeat.waiting():
+                    self.replica.quorum(timeout_s=self.place.config.step_timeout_s)
+            except Exception:  # noqa: BLE001 - torchft's: the others have ended
+                return
 
     def join(self, blank: torch.Tensor) -> bool:
         """Periodic strategies, at this process's first step: meet the others. At the job's
