@@ -129,10 +129,15 @@ class LiveSession:
         again after a heal)."""
         if self._quorum is not None:
             return
+        if self._start_quorum().healed:
+            raise Redo()
+
+    def _start_quorum(self) -> Quorum:
+        """The quorum of a step (kept for it), which a group behind heals in. A job starts
+        whole: its first step waits for every group, also under 'available' (whose
+        lighthouse forms a quorum of whoever is there)."""
         self._started = time.monotonic()
         self._quorum = self._meet()
-        # A job starts whole: the first step waits for every group, also under 'available'
-        # (whose lighthouse forms a quorum of whoever is there).
         while (self.replica.step == 0 and not self._quorum.healed
                and self._quorum.participants < self.place.groups):
             time.sleep(0.05)
@@ -141,10 +146,10 @@ class LiveSession:
             took = time.monotonic() - self._started
             self.healed.append({"step": self._received_step, "bytes": self._received,
                                 "seconds": took})
-            if self._received_step > 0:  # at step 0: the start's copy of group 0's weights
+            if self.replica.step > 0:  # at step 0: the start's copy of group 0's weights
                 self._say(f"healed from a live group at step {self._received_step} "
                           f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
-            raise Redo()
+        return self._quorum
 
     def _meet(self) -> Quorum:
         """The step's quorum, tried again until the policy's deadline (a lighthouse that
@@ -214,34 +219,24 @@ class LiveSession:
             except Exception:  # noqa: BLE001 - torchft's: the others have ended
                 return
 
-    def join(self, blank: torch.Tensor) -> bool:
+    def join(self, blank: Callable[[], torch.Tensor]) -> bool:
         """Periodic strategies, at this process's first step: meet the others. At the job's
         start every group is at step 0 and this is a meeting with nothing to average. A
         replacement heals here: under 'exact' from its own group's state at the last meeting
         (it raises Redo, to redo its steps since, and the others wait at the meeting); under
         'available' from a live group's state now (returns True: it then takes this
-        meeting's mean without adding to it). ``blank``: a meeting's contribution, any
-        values."""
+        meeting's mean without adding to it). ``blank()``: a meeting's contribution (its
+        values are not used)."""
         if self.joined:
             return False
         self.joined = True
-        self._started = time.monotonic()
-        self._quorum = self._meet()
-        while (self.replica.step == 0 and not self._quorum.healed
-               and self._quorum.participants < self.place.groups):
-            time.sleep(0.05)  # a job starts whole
-            self._quorum = self._meet()
+        self._start_quorum()
         if self.replica.step == 0:  # the start: the meeting that gives out private states
-            self.meet(blank.zero_(), start=True)
+            self.meet(blank().zero_(), start=True)
             return False
-        took = time.monotonic() - self._started
-        self.healed.append({"step": self._received_step, "bytes": self._received,
-                            "seconds": took})
-        self._say(f"healed from a live group at step {self._received_step} "
-                  f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
         if self._exact:  # this meeting is held again once this group has caught up
             self._quorum = None
-            self._attempt(blank.zero_(), abstain=True)
+            self._attempt(blank().zero_(), abstain=True)
             self.replica.commit()  # (no: the others see this group's weight 0)
             self._say(f"redoes its steps since the last meeting (step {self._received_step}) "
                       "while the other groups wait")

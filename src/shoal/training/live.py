@@ -139,7 +139,7 @@ def begin_step(t: Trainer, loader: DataLoader, batch: int) -> None:
     t.step_position = position_after(loader, batch)
     live, comm = t.live, t.harness.comm
     if live.periodic:  # local_sgd, diloco: a meeting when one is due
-        healed = live.join(comm.contribution())
+        healed = live.join(comm.contribution)  # (computed only to join)
         if comm.due or healed:
             t.harness.synchronize()
         if healed or live.redo:  # 'available': now at a live group's step
