@@ -10,13 +10,14 @@ end, the whole model and optimizer state keyed by name, the same under every str
 itself (SIGKILL) in the forward pass of step S + 1, once (a marker file remembers it),
 i.e. mid-step, before its gradients reach the other groups; ``--kill G:S:SIGSTOP`` freezes
 it there instead.
-``--pace K:S``: after step K group 0 waits until a replacement of group 1 has started, then
-takes at least S seconds per step (so that the replacement rejoins before the run ends,
-under policy 'available'). ``--hold K``: after step K group 0 writes OUT/held and waits for
-OUT/go (the test does something to the job meanwhile). ``--no-commit G:S``: group G takes
-its vote on step S as no, once, while the others commit it. ``--step-sleep S``: after each
-step every group writes its step to OUT/step.g<group> and sleeps S seconds (the test acts
-on a job under way).
+``--pace K:S``: after step K group 0 waits until a replacement of group 1 has built its
+trainer (it is about to train), then takes at least S seconds per step (so that the
+replacement rejoins before the run ends, under policy 'available').
+``--hold K``: after step K group 0 writes OUT/held and waits for OUT/go (the test does
+something to the job meanwhile). ``--no-commit G:S``: group G takes its vote on step S as
+no, once, while the others commit it. ``--step-sleep S``: after each step every group
+writes its step to OUT/step.g<group> and sleeps S seconds (the test acts on a job under
+way).
 """
 
 import argparse
@@ -91,7 +92,7 @@ if args.pace and group == 0:
 
     def pace(*_):
         if trainer.global_step >= int(after):
-            while not (out / "pid.g1.a1.r0").exists():
+            while not (out / "ready.g1.a1.r0").exists():
                 shoal.heartbeat(trainer.global_step)  # waiting on purpose: not a hang
                 time.sleep(0.05)
             time.sleep(float(seconds))
@@ -125,6 +126,7 @@ if args.no_commit:
                 replica.abstain()
             return vote(replica)
         Replica.commit = commit_but_once
+(out / f"ready.g{group}.a{attempt}.r{rank}").write_text("")
 trainer.fit(build_data()[0])
 torch.save({**full_state(trainer), "step": trainer.global_step},
            out / f"final.g{group}.r{rank}.pt")

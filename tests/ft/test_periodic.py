@@ -93,8 +93,9 @@ def test_available_meets_without_the_killed_group(runs, tmp_path):
     changes = [e for e in map(json.loads, (metrics / "metrics.jsonl").read_text().splitlines())
                if e.get("kind") == "replica_groups"]
     assert [c["taking_part"] for c in changes] == [1, 2]
-    # Group 1's round of steps 9 to 12, and the next one too if it was back only then.
-    assert changes[-1]["skipped_samples"] in (PERIOD * SAMPLES, 2 * PERIOD * SAMPLES)
+    # Group 1's round of steps 9 to 12, and the next ones too if it was back only then (it
+    # brings its steps again to the meeting at step 24 at the latest, said above).
+    assert changes[-1]["skipped_samples"] in (k * PERIOD * SAMPLES for k in (1, 2, 3))
     final = [_final(live, group) for group in (0, 1)]
     assert final[0]["step"] == final[1]["step"] == STEPS
     assert states_equal(final[0]["model"], final[1]["model"])  # one model again
