@@ -21,6 +21,7 @@ way).
 """
 
 import argparse
+import json
 import os
 import signal
 from pathlib import Path
@@ -55,7 +56,7 @@ parser.add_argument("--hold", type=int, default=None,
                     help="after this step group 0 writes OUT/held and waits for OUT/go")
 parser.add_argument("--step-sleep", type=float, default=None)
 parser.add_argument("--strategy", default="ddp")
-parser.add_argument("--compression", default="none")
+parser.add_argument("--compression", default="none", help="a name, or its settings as JSON")
 parser.add_argument("--period", type=int, default=None, help="of local_sgd or diloco")
 parser.add_argument("--no-commit", default=None,
                     help="G:S: group G's vote on step S says no, once (the others commit)")
@@ -69,7 +70,8 @@ rank = shoal.rank()
 model = build_model(hidden=64)
 trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch_size=16,
                         progress=False, max_steps=args.steps, strategy=args.strategy,
-                        compression=args.compression,
+                        compression=json.loads(args.compression)
+                        if args.compression.startswith("{") else args.compression,
                         **({args.strategy: {"period": args.period}} if args.period else {}),
                         metrics={"dir": args.metrics} if args.metrics else {"enabled": False},
                         **({"checkpoint_dir": args.checkpoints, "checkpoint_every": 1,

@@ -9,7 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from tests.helpers import states_equal
+
 JOB = str(Path(__file__).with_name("live_job.py"))
+REPLACED_ONCE = ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
+"""``pids`` of a run of 2 groups of 1 whose group 1 was started again once (group 0 never)."""
 
 
 class Runs:
@@ -50,3 +56,19 @@ class Runs:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def final(out: Path, group: int = 0, rank: int = 0) -> dict:
+    """What rank ``rank`` of group ``group`` saved at the end (model, optimizer, step)."""
+    return torch.load(out / f"final.g{group}.r{rank}.pt")
+
+
+def pids(out: Path) -> list[str]:
+    """The workers a run started: pid.g<group>.a<attempt>.r<rank>, sorted."""
+    return sorted(p.name for p in out.glob("pid.*"))
+
+
+def same_end(ours: dict, theirs: dict) -> bool:
+    """Two ``final`` saves are bitwise equal: step, model and optimizer."""
+    return (ours["step"] == theirs["step"] and states_equal(ours["model"], theirs["model"])
+            and states_equal(ours["optimizer"], theirs["optimizer"]))

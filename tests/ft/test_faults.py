@@ -14,12 +14,11 @@ import pytest
 
 from shoal.ft import FaultToleranceConfig
 from shoal.launch.ports import free_port
+from tests.ft.runs import final, pids
 from tests.ft.test_live import (
     STEPS,
     _equals_ddp,
-    _final,
     _finish,
-    _pids,
     _shoal_run,
     ddp_run,  # noqa: F401 (a fixture)
     in_background,
@@ -43,7 +42,7 @@ def test_exact_frozen_group_is_killed_by_its_hang_watch_and_heals(tmp_path, ddp_
                                 job=("--kill", "1:6:SIGSTOP")))
     assert "rank 0: stopped (SIGSTOP or a debugger), its stack unreadable (last step 6)" \
         in output
-    assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]  # 0 not restarted
+    assert pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]  # 0 not restarted
     assert "replica group 0: step 7 did not commit" in output
     assert "replica group 1: healed from a live group at step 6" in output
     assert _equals_ddp(live, ddp_run())
@@ -57,12 +56,12 @@ def test_available_goes_on_without_the_frozen_group(tmp_path):
     output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "1",
                                 "--ft-policy", "available", "--no-preload", *FROZEN,
                                 job=("--kill", "1:6:SIGSTOP", "--pace", "9:0.3")))
-    assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
+    assert pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
     assert "replica group 0: step 7: 1 of 2 replica groups take part" in output
     assert "all 2 replica groups take part again" in output
-    final = [_final(live, group) for group in (0, 1)]
-    assert final[0]["step"] == final[1]["step"] == STEPS
-    assert states_equal(final[0]["model"], final[1]["model"])
+    finals = [final(live, group) for group in (0, 1)]
+    assert finals[0]["step"] == finals[1]["step"] == STEPS
+    assert states_equal(finals[0]["model"], finals[1]["model"])
 
 
 def test_two_groups_killed_in_one_step_heal_from_the_third(tmp_path):
@@ -75,14 +74,14 @@ def test_two_groups_killed_in_one_step_heal_from_the_third(tmp_path):
         live = tmp_path / "live"
         output = _finish(_shoal_run(live, "--replica-groups", "3", "--max-restarts", "1",
                                     job=("--kill", "1:6", "--kill", "2:6"), steps=steps))
-        assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0",
+        assert pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0",
                                "pid.g2.a0.r0", "pid.g2.a1.r0"]
         assert "replica group 0: step 7 did not commit" in output
         for group in (1, 2):
             assert f"replica group {group}: healed from a live group at step 6" in output
         reference = whole()
         for group in range(3):
-            ours, theirs = _final(live, group), _final(reference, group)
+            ours, theirs = final(live, group), final(reference, group)
             assert ours["step"] == steps
             assert states_equal(ours["model"], theirs["model"])
             assert states_equal(ours["optimizer"], theirs["optimizer"])
@@ -137,8 +136,8 @@ def test_a_group_whose_last_step_did_not_commit_heals_from_the_others(tmp_path, 
                                 job=("--no-commit", f"1:{STEPS}")))
     assert f"replica group 1: step {STEPS} did not commit" in output
     assert f"replica group 1: healed from a live group at step {STEPS}" in output
-    assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0"]  # no group started again
-    final = [_final(live, group) for group in (0, 1)]
-    assert final[0]["step"] == final[1]["step"] == STEPS
-    assert states_equal(final[0]["model"], final[1]["model"])
-    assert states_equal(final[0]["optimizer"], final[1]["optimizer"])
+    assert pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0"]  # no group started again
+    finals = [final(live, group) for group in (0, 1)]
+    assert finals[0]["step"] == finals[1]["step"] == STEPS
+    assert states_equal(finals[0]["model"], finals[1]["model"])
+    assert states_equal(finals[0]["optimizer"], finals[1]["optimizer"])

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.examples.digits import build_data, build_model
+from tests.ft.runs import final, pids
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
@@ -45,19 +46,11 @@ def _finish(process: subprocess.Popen) -> str:
     return output
 
 
-def _final(out: Path, group: int, rank: int = 0) -> dict:
-    return torch.load(out / f"final.g{group}.r{rank}.pt")
-
-
-def _pids(out: Path) -> list[str]:
-    return sorted(p.name for p in out.glob("pid.*"))
-
-
 def _equals_ddp(live: Path, reference: Path, groups: int = 2) -> bool:
     """Group g of the live run ends like rank g of the DDP run, model and optimizer."""
-    return all(states_equal(_final(live, group)["model"], _final(reference, 0, group)["model"])
-               and states_equal(_final(live, group)["optimizer"],
-                                _final(reference, 0, group)["optimizer"])
+    return all(states_equal(final(live, group)["model"], final(reference, 0, group)["model"])
+               and states_equal(final(live, group)["optimizer"],
+                                final(reference, 0, group)["optimizer"])
                for group in range(groups))
 
 
@@ -107,10 +100,10 @@ def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
     (live / "go").write_text("")
     output = first + _finish(process)
     assert f"the lighthouse (pid {lighthouse}) ended with code -9: started again" in output
-    assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]  # 0 not restarted
+    assert pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]  # 0 not restarted
     assert "replica group 0: step 7 did not commit" in output
     assert "replica group 1: healed from a live group at step 6" in output
-    assert all(_final(live, group)["step"] == STEPS for group in (0, 1))
+    assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
 
 
@@ -134,7 +127,7 @@ def test_available_goes_on_without_the_killed_group(tmp_path, ddp_run):
                                 "--ft-policy", "available", "--no-preload",
                                 job=("--kill", "1:6", "--pace", "9:0.3",
                                      "--metrics", str(tmp_path / "metrics"))))
-    assert _pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
+    assert pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
     assert "replica group 0: step 7: 1 of 2 replica groups take part; the missing groups' " \
         "samples are skipped" in output
     assert "all 2 replica groups take part again" in output
@@ -145,10 +138,10 @@ def test_available_goes_on_without_the_killed_group(tmp_path, ddp_run):
     assert changes[0]["taking_part"] == 1 and changes[-1]["taking_part"] == 2
     rejoined = changes[-1]["step"]
     assert changes[-1]["skipped_samples"] == (rejoined - 7) * 16  # 16 samples a step a group
-    final = [_final(live, group) for group in (0, 1)]
-    assert final[0]["step"] == final[1]["step"] == STEPS
-    assert states_equal(final[0]["model"], final[1]["model"])  # one model again
-    ours, reference = _val_loss(final[0]["model"]), _val_loss(_final(ddp_run(), 0)["model"])
+    finals = [final(live, group) for group in (0, 1)]
+    assert finals[0]["step"] == finals[1]["step"] == STEPS
+    assert states_equal(finals[0]["model"], finals[1]["model"])  # one model again
+    ours, reference = _val_loss(finals[0]["model"]), _val_loss(final(ddp_run(), 0)["model"])
     assert abs(ours - reference) <= AVAILABLE_TOLERANCE * reference
 
 

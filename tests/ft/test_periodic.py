@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.examples.digits import build_data, build_model
-from tests.ft.runs import Runs
+from tests.ft.runs import REPLACED_ONCE, Runs, final, pids, same_end
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
@@ -38,10 +38,6 @@ def _reference(runs: Runs, strategy: str) -> None:
                job=f"--strategy {strategy} --period {PERIOD}")
 
 
-def _final(out, group: int = 0, rank: int = 0) -> dict:
-    return torch.load(out / f"final.g{group}.r{rank}.pt")
-
-
 @pytest.mark.parametrize("strategy", ["local_sgd", "diloco"])
 def test_exact_replacement_redoes_its_round_and_run_equals_restart_mode(runs, strategy):
     """The survivor trains on to the next meeting and waits there, never restarted; the
@@ -52,16 +48,12 @@ def test_exact_replacement_redoes_its_round_and_run_equals_restart_mode(runs, st
     runs.start(f"exact-{strategy}", "--replica-groups", "2", "--max-restarts", "1",
                job=f"--strategy {strategy} --period {PERIOD} --kill {KILL}")
     live, output = runs.wait(f"exact-{strategy}")
-    assert sorted(p.name for p in live.glob("pid.*")) == [
-        "pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]  # group 0 never restarted
+    assert pids(live) == REPLACED_ONCE
     assert "replica group 1: healed from a live group at step 8" in output
     assert "replica group 0: the meeting at step 12 did not commit" in output
     reference, _ = runs.wait(f"restart-{strategy}")
-    for group in (0, 1):
-        ours, theirs = _final(live, group), _final(reference, 0, group)
-        assert ours["step"] == theirs["step"] == STEPS
-        assert states_equal(ours["model"], theirs["model"])
-        assert states_equal(ours["optimizer"], theirs["optimizer"])
+    assert final(live)["step"] == STEPS
+    assert all(same_end(final(live, group), final(reference, 0, group)) for group in (0, 1))
 
 
 def _val_loss(model_state: dict) -> float:
@@ -84,8 +76,7 @@ def test_available_meets_without_the_killed_group(runs, tmp_path):
                job=f"--strategy diloco --period {PERIOD} --kill {KILL} --pace 10:0.3 "
                    f"--metrics {metrics}")
     live, output = runs.wait("available")
-    assert sorted(p.name for p in live.glob("pid.*")) == [
-        "pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
+    assert pids(live) == REPLACED_ONCE
     assert "replica group 0: the meeting at step 12: 1 of 2 replica groups bring their " \
         "steps; the others' samples are skipped (policy available)" in output
     assert "all 2 replica groups bring their steps again" in output
@@ -96,9 +87,9 @@ def test_available_meets_without_the_killed_group(runs, tmp_path):
     # Group 1's round of steps 9 to 12, and the next ones too if it was back only then (it
     # brings its steps again to the meeting at step 24 at the latest, said above).
     assert changes[-1]["skipped_samples"] in (k * PERIOD * SAMPLES for k in (1, 2, 3))
-    final = [_final(live, group) for group in (0, 1)]
-    assert final[0]["step"] == final[1]["step"] == STEPS
-    assert states_equal(final[0]["model"], final[1]["model"])  # one model again
+    finals = [final(live, group) for group in (0, 1)]
+    assert finals[0]["step"] == finals[1]["step"] == STEPS
+    assert states_equal(finals[0]["model"], finals[1]["model"])  # one model again
     reference, _ = runs.wait("restart-diloco")
-    ours, theirs = _val_loss(final[0]["model"]), _val_loss(_final(reference)["model"])
+    ours, theirs = _val_loss(finals[0]["model"]), _val_loss(final(reference)["model"])
     assert abs(ours - theirs) <= AVAILABLE_TOLERANCE * theirs, (ours, theirs)

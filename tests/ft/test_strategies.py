@@ -19,9 +19,6 @@ import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
-import shoal
-from shoal.errors import UsageError
-from shoal.ft import FaultToleranceConfig, ReplicaPlace
 from tests.ft.runs import Runs
 from tests.helpers import states_equal
 
@@ -109,22 +106,6 @@ def test_half_precision_compression_across_groups(runs, compression):
     live, reference = _finals(out), _finals(runs.wait(f"ddp-{compression}")[0])
     assert all(states_equal(live[f"final.g{i}.r0.pt"], reference[f"final.g0.r{i}.pt"])
                for i in (0, 1))
-
-
-def test_error_feedback_compression_is_refused_under_exact(single_process, monkeypatch):
-    """powersgd and topk keep a residual per rank that no live group holds."""
-    place = ReplicaPlace(0, 2, "http://127.0.0.1:1",
-                         FaultToleranceConfig(mode="live", replica_groups=2), "127.0.0.1")
-    for key, value in place.environ().items():
-        monkeypatch.setenv(key, value)
-    model = torch.nn.Linear(4, 2)
-    trainer = shoal.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                            progress=False, compression="topk")
-    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
-    with pytest.raises(UsageError, match="compression 'topk' keeps an error-feedback "
-                                         "residual in each rank that a replacement cannot "
-                                         "heal"):
-        trainer.fit(data)
 
 
 def test_error_feedback_compression_runs_under_available(runs):

@@ -52,6 +52,12 @@ class FaultToleranceConfig(BaseModel):
     replacement_timeout_s: float = Field(120.0, gt=0)
     """Policy 'exact': how long the other groups wait for a replacement before they give up
     and fall back to the restart from the last checkpoint."""
+    compression_state_every: int = Field(10, ge=1)
+    """Policy 'exact' with compression powersgd or topk, whose error feedback each rank keeps
+    for itself: every this many steps each group hands the others its compression state, and
+    each keeps the averaged gradients of the steps since. A replacement starts again from
+    there and redoes those steps alone while the others wait. Larger: fewer hand-overs, one
+    more gradient kept per step (in host memory), a longer redo."""
 
     @model_validator(mode="after")
     def _ordered_timeouts(self) -> FaultToleranceConfig:

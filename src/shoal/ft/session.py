@@ -9,6 +9,14 @@ A step that does not commit changes nothing (no optimizer step, no counter), so 
 again from where it began loses no step. Under 'exact' a step commits only with every group
 in it: while one is missing the others wait in the next quorum.
 
+Under a compression with error feedback (powersgd, topk) each rank keeps a residual of its
+own, which no live group holds. Under 'exact' every few steps (``compression_state_every``)
+each group hands the others its compression state, and each keeps the averaged gradients of
+the steps since: a replacement starts again from there with its own group's compression
+state and redoes those steps alone (their forward and backward, with the others' mean),
+while the others wait at the next quorum. A step that does not commit is undone in the
+compression state too.
+
 The periodic strategies (local_sgd, diloco) meet the other groups only every few steps:
 
     session.join(blank)           # the first step of this process (a replacement heals here)
@@ -21,6 +29,7 @@ state at the last meeting and redoes the steps since, while the others wait at t
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import sys
@@ -61,8 +70,14 @@ class LiveSession:
     def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
                  state: Callable[[], dict], load: Callable[[dict], None],
                  record: Callable[..., None] = lambda step, **fields: None,
-                 wire: torch.dtype | None = None,
-                 private: Callable[[], dict] | None = None):
+                 wire: torch.dtype | None = None, periodic: bool = False,
+                 private: Callable[[], dict] | None = None,
+                 restore: Callable[[dict], None] | None = None,
+                 blank: Callable[[], list[torch.Tensor]] | None = None):
+        """``private``: what differs between this rank and the same rank of the other
+        groups (periodic: the inner optimizer; under powersgd, topk: the compression
+        state); ``restore`` loads it back (a step that does not commit is undone);
+        ``blank``: zeros of this rank's gradients (what a group sitting a step out sends)."""
         from shoal.ft.engine import Replica  # imports torchft: only in a live job
 
         self.place = place
@@ -80,13 +95,21 @@ class LiveSession:
         self._started = 0.0
         self.in_quorum = False  # waiting for the other groups at a quorum
         self.leaving: int | None = None  # the exit code of a stop in a quorum wait
-        # Periodic strategies: `private` gives this rank's own state (set only for them).
-        self.periodic = private is not None
-        self._private = private
+        self.periodic = periodic
+        self._private, self._restore, self._blank = private, restore, blank
         self._exact = place.config.policy == "exact"
+        # 'exact' under powersgd, topk: rounds of the compression state, and a log.
+        self._logged = self._exact and private is not None and not periodic
+        self._every = place.config.compression_state_every
+        self._log: list[torch.Tensor] = []  # the averaged gradients since the round
+        self._replay: list[torch.Tensor] = []  # the logged steps this group redoes alone
+        self._kept: dict | None = None  # this rank's private state as the step began
+        self._pending: dict | None = None  # the state a round keeps if this step commits
+        self._gathered: tuple | None = None  # every group's private state, with it
         self.joined = False
         self.round: dict | None = None
-        """'exact', periodic: this group's state at the last meeting (kept by ``keep_round``)."""
+        """'exact': this group's state at the last meeting (periodic) or hand-over (under
+        powersgd, topk)."""
         self.round_due = False  # a meeting committed: keep the round's state next
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # every group's private
         self._contributes = True  # False: the meeting under way counts this group out
@@ -100,8 +123,8 @@ class LiveSession:
                             f"({str(exc).splitlines()[0][:200]})") from None
 
     def _send(self) -> dict:
-        if self.round is not None:  # 'exact', periodic: the last meeting's state
-            return {"round": self.round, "rows": self._rows,
+        if self.round is not None:  # 'exact': the last meeting's or hand-over's state
+            return {"round": self.round, "rows": self._rows, "log": list(self._log),
                     "skipped_samples": self.skipped_samples}
         return {"trainer": self._state(), "skipped_samples": self.skipped_samples}
 
@@ -112,6 +135,7 @@ class LiveSession:
             private = torch.load(io.BytesIO(mine.numpy().tobytes()), weights_only=True)
             self._load({**state["round"], **private})
             self.round, self._rows = state["round"], state["rows"]
+            self._log, self._replay = list(state["log"]), list(state["log"])
             self._received_step = state["round"]["global_step"]
         else:
             self._load(state["trainer"])
@@ -127,10 +151,34 @@ class LiveSession:
     def begin_step(self) -> None:
         """Meet the other groups for the next step (once, also when the step is started
         again after a heal)."""
-        if self._quorum is not None:
+        if self._replay:  # a logged step, redone alone
             return
-        if self._start_quorum().healed:
+        if self._quorum is None and self._start_quorum().healed:
+            if self._replay:
+                self._sit_out()
             raise Redo()
+        if self._restore is not None:
+            self._kept = self._private()
+            if self._logged and (self.round is None or self.step_now()
+                                 - self.round["global_step"] >= self._every):
+                self._pending = copy.deepcopy(self._state())
+
+    def _sit_out(self) -> None:
+        """'exact', just healed from a hand-over: send nothing to the step under way (zeros,
+        weight 0), so that no group commits it, and redo the logged steps alone, while the
+        others wait at the next quorum."""
+        self._quorum = None
+        zeros = self._blank()
+        flags = torch.zeros(2, dtype=zeros[0].dtype if zeros else torch.float32)
+        with heartbeat.waiting():
+            self.replica.average([*zeros, flags], self._wire)
+            if flags[1] > 0:  # the others hand over their compression state in this step
+                self._gather(b"")
+            self.replica.abstain()
+            self.replica.commit()
+        self._say(f"redoes steps {self._received_step + 1} to "
+                  f"{self._received_step + len(self._replay)} alone while the other groups "
+                  "wait")
 
     def _start_quorum(self) -> Quorum:
         """The quorum of a step (kept for it), which a group behind heals in. A job starts
@@ -179,11 +227,21 @@ class LiveSession:
     def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int) -> bool:
         """Average ``grads`` over the groups of the step and vote; True: apply the step.
         ``samples``: this group's samples in the step (what a missing group skipped)."""
+        if self._replay:  # a logged step redone alone: the others' mean, as it was
+            _unflatten(self._replay.pop(0), grads)
+            return True
         quorum, self._quorum = self._quorum, None
         with heartbeat.waiting():  # each wait for the other groups has its own deadline
-            self.replica.average(grads, self._wire)
+            if self._logged:
+                self._average_logged(grads)
+            else:
+                self.replica.average(grads, self._wire)
             committed = self.replica.commit()
+        if self._logged:
+            self._log_step(grads if committed else None)
         if not committed:
+            if self._kept is not None:
+                self._restore(self._kept)  # the step's error feedback is undone too
             self._say(f"step {step + 1} did not commit (a replica group failed or is "
                       "missing): it is done again")
             return False
@@ -201,6 +259,26 @@ class LiveSession:
             self._record(step + 1, kind="replica_groups", taking_part=joined, groups=groups,
                          skipped_samples=self.skipped_samples)
         return True
+
+    def _average_logged(self, grads: Sequence[torch.Tensor]) -> None:
+        """The mean with two flags: this group brings its step (every group must, or none
+        commits: a commit vote is taken inside each group), and it hands over its
+        compression state in this step (then every group does)."""
+        flags = torch.tensor([1.0, float(self._pending is not None)], dtype=grads[0].dtype)
+        self.replica.average([*grads, flags], self._wire)
+        self._gathered = (self._gather(self._serialized(self._kept)) if flags[1] > 0
+                          else None)
+        if round(float(flags[0]) * self.place.groups) < self.place.groups:
+            self.replica.abstain()
+
+    def _log_step(self, grads: Sequence[torch.Tensor] | None) -> None:
+        """After a step's vote: keep its mean (``grads``; None: it did not commit), and the
+        hand-over that came with it."""
+        if grads is not None:
+            if self._pending is not None and self._gathered is not None:
+                self.round, self._rows, self._log = self._pending, self._gathered, []
+            self._log.append(torch.cat([g.reshape(-1) for g in grads]).cpu())
+        self._pending = self._gathered = None
 
     def finish(self) -> None:
         """After the last step: one more quorum. A commit vote is taken inside each group,
@@ -304,15 +382,16 @@ class LiveSession:
         bringing = round(float(sent[-1]))
         rows = None
         if self._exact:
-            rows = self._gather(b"" if abstain else self._serialized_private())
+            rows = self._gather(b"" if abstain else self._serialized(self._private()))
             if bringing < groups:
                 self.replica.abstain()
             return sent[:-1], bringing, rows
         return sent[:-1] / max(bringing, 1), bringing, rows
 
-    def _serialized_private(self) -> bytes:
+    @staticmethod
+    def _serialized(state: dict) -> bytes:
         buffer = io.BytesIO()
-        torch.save(self._private(), buffer)
+        torch.save(state, buffer)
         return buffer.getvalue()
 
     def _gather(self, blob: bytes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,3 +419,11 @@ class LiveSession:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(self.leaving)
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` into ``tensors``, one after the other."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

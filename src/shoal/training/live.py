@@ -6,6 +6,10 @@ and data position. Random numbers are not copied: in a live job every step draws
 seeds of its own (run seed, step, data-parallel rank over all groups), so a replacement
 draws what the lost group would have drawn, and a step done again draws the same numbers.
 
+Under powersgd and topk each rank keeps an error feedback of its own: under 'exact' the
+groups hand it over every few steps, and a replacement redoes the steps since (see
+``shoal.ft.session``).
+
 Under local_sgd and diloco the groups train apart between meetings (every ``period``
 steps), and a meeting is held at the start of the step after the period's last. Under
 'exact' a replacement loads the state of the last meeting with its own group's optimizer
@@ -49,12 +53,6 @@ def open_live(trainer: Trainer) -> LiveSession | None:
     if c.parallel.pp > 1:
         raise UsageError("live recovery does not support pipeline parallelism yet: use "
                          "fault_tolerance.mode 'restart'")
-    compression = c.compression.name
-    if compression in ("powersgd", "topk") and place.config.policy == "exact":
-        raise UsageError(f"compression '{compression}' keeps an error-feedback residual in "
-                         "each rank that a replacement cannot heal from a live group, so "
-                         "policy 'exact' could not end equal to a run without failures: use "
-                         "--ft-policy available, or compression fp16 or bf16")
     h = trainer.harness
     h.replica_groups = (place.groups, place.group)
     def record(step: int, **fields: Any) -> None:  # a change of who takes part, in metrics
@@ -62,13 +60,17 @@ def open_live(trainer: Trainer) -> LiveSession | None:
             trainer._metrics.record("event", step, **fields)
 
     periodic = _periodic(trainer)
-    session = LiveSession(place, h.rank, h.world_size, state=lambda: live_state(trainer),
-                          load=lambda state: load_live_state(trainer, state), record=record,
-                          wire=_WIRE.get(compression),
-                          private=(lambda: private_state(trainer)) if periodic else None)
+    feedback = c.compression.name in ("powersgd", "topk")  # a residual per rank (ddp)
+    session = LiveSession(
+        place, h.rank, h.world_size, state=lambda: live_state(trainer),
+        load=lambda state: load_live_state(trainer, state), record=record,
+        wire=_WIRE.get(c.compression.name), periodic=periodic,
+        private=(lambda: private_state(trainer)) if periodic or feedback else None,
+        restore=(lambda kept: h.comm.load_state_dict(kept["comm"])) if feedback else None,
+        blank=lambda: [torch.zeros_like(g) for g in gradients(trainer.model, fill=False)])
     if periodic:
         h.comm.across = session.meet
-        session.step_now = lambda: trainer.global_step
+    session.step_now = lambda: trainer.global_step
     return session
 
 
@@ -101,8 +103,12 @@ def _periodic(t: Trainer) -> bool:
 
 
 def private_state(t: Trainer) -> dict[str, Any]:
-    """local_sgd, diloco: what differs between groups after a meeting (their inner
-    optimizers, loss scales and skipped steps); ``live_state`` holds the rest."""
+    """What differs between this rank and the same rank of the other groups, which
+    ``live_state`` does not hold: under local_sgd and diloco after a meeting, the inner
+    optimizer, loss scale and skipped steps; under powersgd and topk, the compression state
+    (its error feedback)."""
+    if not _periodic(t):
+        return {"comm": t.harness.comm.state_dict()}
     _, optimizer = model_and_optimizer_state(t.state_model, t.optimizer)
     return {"optimizer": optimizer, "scaler": t.harness.precision.state_dict(),
             "skipped_steps": list(t.skipped_steps)}
@@ -172,14 +178,18 @@ def seed_step(t: Trainer) -> None:
     seed_everything((t.config.seed * 1_000_003 + t.global_step) * 65_537 + h.data_rank)
 
 
-def gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+def gradients(model: torch.nn.Module, fill: bool = True) -> list[torch.Tensor]:
     """This rank's gradients (its shards under FSDP), zeros where a parameter has none, so
-    that every group sends the same tensors."""
+    that every group sends the same tensors (``fill=False``: the parameters, where none has
+    a gradient yet, for their shapes)."""
     grads = []
     for p in model.parameters():
         if not p.requires_grad:
             continue
         if p.grad is None:
+            if not fill:
+                grads.append(p.to_local() if isinstance(p, DTensor) else p)
+                continue
             p.grad = torch.zeros_like(p)
         g = p.grad
         grads.append(g.to_local() if isinstance(g, DTensor) else g)

@@ -1,0 +1,57 @@
+"""Live mode, policy 'exact', under the compressions whose error feedback each rank keeps
+for itself (powersgd, topk): 2 groups of 1 process, a hand-over of the compression state
+every 10 steps (the default), group 1 SIGKILLed three steps after one. Each run is compared
+with the same live run without failures, started beside it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ft.runs import REPLACED_ONCE, Runs, final, pids, same_end
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 16
+COMPRESSIONS = {"topk": "topk",  # from the first step
+                "powersgd": '{"name":"powersgd","warmup_steps":2}'}  # from step 3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    with Runs(tmp_path_factory.mktemp("runs"), STEPS) as runs:
+        yield runs
+
+
+@pytest.mark.parametrize("compression", sorted(COMPRESSIONS))
+def test_replacement_redoes_its_steps_since_the_hand_over(runs, compression):
+    """The survivor is never restarted; the replacement heals from it: the state of the
+    hand-over at step 10 with its own group's compression state, redoes steps 11 to 13
+    alone with the survivor's kept mean of each, and both end bitwise equal to the run
+    without failures (which the error feedback of group 1's steps 11 to 16 feeds)."""
+    job = f"--compression {COMPRESSIONS[compression]}"
+    runs.start(f"whole-{compression}", "--replica-groups", "2", job=job)
+    runs.start(f"killed-{compression}", "--replica-groups", "2", "--max-restarts", "1",
+               job=f"{job} --kill 1:13")
+    live, output = runs.wait(f"killed-{compression}")
+    assert pids(live) == REPLACED_ONCE
+    assert "replica group 1: healed from a live group at step 10" in output
+    assert "replica group 1: redoes steps 11 to 13 alone while the other groups wait" in output
+    reference, _ = runs.wait(f"whole-{compression}")
+    assert final(live)["step"] == STEPS
+    assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))
+
+
+def test_a_group_whose_step_did_not_commit_catches_up_from_the_hand_over(runs):
+    """Group 1's own vote on step 12 says no while group 0 commits it: group 1 undoes the
+    step's error feedback, heals from group 0's hand-over at step 10 (its own compression
+    state then) and redoes steps 11 and 12; both end bitwise equal to the run without
+    failures."""
+    job = f"--compression {COMPRESSIONS['topk']}"
+    runs.start("whole-topk", "--replica-groups", "2", job=job)
+    runs.start("no-commit", "--replica-groups", "2", job=f"{job} --no-commit 1:12")
+    live, output = runs.wait("no-commit")
+    assert "replica group 1: step 12 did not commit" in output
+    assert "replica group 1: redoes steps 11 to 12 alone while the other groups wait" in output
+    reference, _ = runs.wait("whole-topk")
+    assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))
