@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from tests.ft.test_live import JOB, STEPS, _equals_ddp, _final, _finish, _shoal_run
+from tests.ft.runs import final
+from tests.ft.test_live import JOB, STEPS, _equals_ddp, _finish, _shoal_run
 from tests.helpers import states_equal
 from tests.multihost.test_multinode import _env
 
@@ -74,33 +75,8 @@ def test_available_host_lost_the_other_goes_on(make_hosts, tmp_path, loss):
     assert "replica group 0: step" in output
     assert "1 of 2 replica groups take part; the missing groups' samples are skipped" \
         in output, output[-4000:]
-    assert _final(out, 0)["step"] == STEPS
+    assert final(out, 0)["step"] == STEPS
     assert not (out / "final.g1.r0.pt").exists()
-
-
-@pytest.mark.timeout(500)
-def test_exact_host_lost_comes_back_heals_and_equals_ddp(make_hosts, tmp_path):
-    """Policy exact: host 1 SIGKILLed mid-run, host 0's group waits in memory; `shoal run`
-    started again on host 1 heals from it, and both end bitwise equal to a 2-process DDP
-    run without failures."""
-    reference = tmp_path / "ddp"
-    ddp = _shoal_run(reference, "--nproc-per-node", "2")
-    hosts = make_hosts(2)
-    out = tmp_path / "live"
-    out.mkdir()
-    nodes = [_start(hosts, r, out) for r in range(2)]
-    _wait_for_step(out, 8, hosts, nodes)
-    _kill_host(hosts, 1)
-    nodes[1].communicate()
-    again = _start(hosts, 1, out)
-    outputs = [nodes[0].communicate(timeout=400)[0], again.communicate(timeout=100)[0]]
-    assert [nodes[0].returncode, again.returncode] == [0, 0], outputs
-    assert "replica group 1: healed from a live group at step" in outputs[1], outputs[1]
-    assert not (out / "pid.g0.a1.r0").exists()  # host 0's group was never restarted
-    assert "waiting for node 0's lighthouse" not in outputs[1]  # it never went away
-    assert all(_final(out, group)["step"] == STEPS for group in (0, 1))
-    _finish(ddp)
-    assert _equals_ddp(out, reference)
 
 
 @pytest.mark.timeout(400)
@@ -118,12 +94,12 @@ def test_two_groups_per_host_hold_one_model_close_to_four_ddp_processes(make_hos
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "node 1 runs replica groups 2, 3 of 4" in outputs[1], outputs[1]
     _finish(ddp)
-    final = [_final(out, group) for group in range(4)]
-    assert all(f["step"] == STEPS for f in final)
-    assert all(states_equal(f["model"], final[0]["model"]) for f in final)
-    alone = _final(reference, 0, 0)["model"]
+    finals = [final(out, group) for group in range(4)]
+    assert all(f["step"] == STEPS for f in finals)
+    assert all(states_equal(f["model"], finals[0]["model"]) for f in finals)
+    alone = final(reference, 0, 0)["model"]
     for key, value in alone.items():
-        torch.testing.assert_close(final[0]["model"][key], value, rtol=0, atol=1e-6)
+        torch.testing.assert_close(finals[0]["model"][key], value, rtol=0, atol=1e-6)
 
 
 @pytest.mark.timeout(400)
@@ -148,5 +124,31 @@ def test_exact_group_lost_for_good_its_node_stops_and_comes_back(make_hosts, tmp
     assert [nodes[0].returncode, again.returncode] == [0, 0], outputs
     assert "replica group 1: healed from a live group at step 6" in outputs[1], outputs[1]
     assert not (out / "pid.g0.a1.r0").exists()
+    _finish(ddp)
+    assert _equals_ddp(out, reference)
+
+
+@pytest.mark.timeout(500)
+def test_exact_host_0_lost_with_the_lighthouse_comes_back_and_equals_ddp(make_hosts, tmp_path):
+    """Policy exact: host 0 SIGKILLed mid-run, and with it the lighthouse its launcher ran:
+    host 1's group waits in memory, asking for a quorum; `shoal run` started again on host 0
+    starts the lighthouse again, its group heals from host 1's, and both end bitwise equal
+    to a 2-process DDP run without failures. (Host 1 lost and started again heals the same
+    way: test_exact_group_lost_for_good_its_node_stops_and_comes_back.)"""
+    reference = tmp_path / "ddp"
+    ddp = _shoal_run(reference, "--nproc-per-node", "2")
+    hosts = make_hosts(2)
+    out = tmp_path / "live"
+    out.mkdir()
+    nodes = [_start(hosts, r, out) for r in range(2)]
+    _wait_for_step(out, 8, hosts, nodes)
+    _kill_host(hosts, 0)
+    nodes[0].communicate()
+    again = _start(hosts, 0, out)
+    outputs = [again.communicate(timeout=400)[0], nodes[1].communicate(timeout=100)[0]]
+    assert [again.returncode, nodes[1].returncode] == [0, 0], outputs
+    assert "replica group 0: healed from a live group at step" in outputs[0], outputs[0]
+    assert not (out / "pid.g1.a1.r0").exists()  # host 1's group was never restarted
+    assert all(final(out, group)["step"] == STEPS for group in (0, 1))
     _finish(ddp)
     assert _equals_ddp(out, reference)
