@@ -106,13 +106,3 @@ def test_half_precision_compression_across_groups(runs, compression):
     live, reference = _finals(out), _finals(runs.wait(f"ddp-{compression}")[0])
     assert all(states_equal(live[f"final.g{i}.r0.pt"], reference[f"final.g0.r{i}.pt"])
                for i in (0, 1))
-
-
-def test_error_feedback_compression_runs_under_available(runs):
-    """Under 'available' topk compresses inside each group; the groups still end as one
-    model (the average across groups is of the decompressed gradients)."""
-    runs.start("topk", "--replica-groups", "2", "--ft-policy", "available",
-               job="--compression topk")
-    finals = _finals(runs.wait("topk")[0])
-    assert finals["final.g0.r0.pt"]["step"] == STEPS
-    assert states_equal(finals["final.g0.r0.pt"], finals["final.g1.r0.pt"])
