@@ -37,6 +37,16 @@ def test_replica_groups_choose_live_mode_and_the_flags_win():
     assert not live_settings(_flags()).live  # today's restart stays the default
 
 
+def test_a_trainer_sets_what_only_the_workers_read():
+    """The launcher's settings win, except those only workers read, where the Trainer's
+    own ``fault_tolerance`` sets them."""
+    launcher = FaultToleranceConfig(mode="live", step_timeout_s=5, compression_state_every=7)
+    own = FaultToleranceConfig(step_timeout_s=3, compression_state_every=4)
+    assert launcher.with_workers_own(own).model_dump() == {
+        **launcher.model_dump(), "compression_state_every": 4}
+    assert launcher.with_workers_own(FaultToleranceConfig()) == launcher  # none set
+
+
 @pytest.mark.parametrize("flags, message", [
     (_flags(ft_policy="exact"), "--ft-policy, --lighthouse and --ft-\\*-timeout are "
                                 "settings of live mode"),

@@ -20,6 +20,10 @@ ENV_LIGHTHOUSE = "SHOAL_FT_LIGHTHOUSE"
 ENV_HOST = "SHOAL_FT_HOST"
 
 
+# Settings that only the workers read: a Trainer may set them itself under `shoal run`.
+WORKERS_OWN = ("compression_state_every",)
+
+
 class FaultToleranceConfig(BaseModel):
     """How a job lives through the failure of a worker (``trainer.fault_tolerance``)."""
 
@@ -69,6 +73,12 @@ class FaultToleranceConfig(BaseModel):
             raise ValueError(f"step_timeout_s {self.step_timeout_s} must be shorter than "
                              f"replacement_timeout_s {self.replacement_timeout_s}")
         return self
+
+    def with_workers_own(self, own: FaultToleranceConfig) -> FaultToleranceConfig:
+        """These settings (the launcher's), with those that only the workers read taken from
+        ``own`` (a Trainer's ``fault_tolerance``) where it sets them."""
+        return self.model_copy(update={key: getattr(own, key) for key in WORKERS_OWN
+                                       if key in own.model_fields_set})
 
     @property
     def live(self) -> bool:

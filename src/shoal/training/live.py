@@ -19,6 +19,7 @@ state (each meeting gives every group the others'), and redoes the steps since.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ def open_live(trainer: Trainer) -> LiveSession | None:
                              "starts the replica groups and the lighthouse: run under "
                              "`shoal run --replica-groups N` or `shoal train`")
         return None
+    place = replace(place, config=place.config.with_workers_own(c.fault_tolerance))
     if c.parallel.pp > 1:
         raise UsageError("live recovery does not support pipeline parallelism yet: use "
                          "fault_tolerance.mode 'restart'")
