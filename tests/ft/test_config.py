@@ -38,13 +38,18 @@ def test_replica_groups_choose_live_mode_and_the_flags_win():
 
 
 def test_a_trainer_sets_what_only_the_workers_read():
-    """The launcher's settings win, except those only workers read, where the Trainer's
-    own ``fault_tolerance`` sets them."""
+    """The launcher's settings win, said in a line where the Trainer's own
+    ``fault_tolerance`` sets them otherwise, except those only workers read, which the
+    Trainer's sets."""
     launcher = FaultToleranceConfig(mode="live", step_timeout_s=5, compression_state_every=7)
     own = FaultToleranceConfig(step_timeout_s=3, compression_state_every=4)
     assert launcher.with_workers_own(own).model_dump() == {
         **launcher.model_dump(), "compression_state_every": 4}
     assert launcher.with_workers_own(FaultToleranceConfig()) == launcher  # none set
+    assert launcher.overruled(own) == (
+        "the Trainer's fault_tolerance sets step_timeout_s 3.0 (runs with 5.0): the "
+        "launcher's settings win (its flags, or the run config's trainer.fault_tolerance)")
+    assert launcher.overruled(FaultToleranceConfig(mode="live", step_timeout_s=5)) is None
 
 
 @pytest.mark.parametrize("flags, message", [

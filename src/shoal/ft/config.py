@@ -80,6 +80,19 @@ class FaultToleranceConfig(BaseModel):
         return self.model_copy(update={key: getattr(own, key) for key in WORKERS_OWN
                                        if key in own.model_fields_set})
 
+    def overruled(self, own: FaultToleranceConfig) -> str | None:
+        """A line naming what ``own`` (a Trainer's ``fault_tolerance``) sets otherwise than
+        these settings (the launcher's, which win), or None."""
+        # (replica_groups: the Trainer's is per node, the launcher hands its the job's total)
+        keys = sorted(key for key in own.model_fields_set - {*WORKERS_OWN, "replica_groups"}
+                      if getattr(own, key) != getattr(self, key))
+        if not keys:
+            return None
+        given = ", ".join(f"{key} {getattr(own, key)!r} (runs with {getattr(self, key)!r})"
+                          for key in keys)
+        return (f"the Trainer's fault_tolerance sets {given}: the launcher's settings win "
+                "(its flags, or the run config's trainer.fault_tolerance)")
+
     @property
     def live(self) -> bool:
         return self.mode == "live"

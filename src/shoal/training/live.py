@@ -19,6 +19,7 @@ state (each meeting gives every group the others'), and redoes the steps since.
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -51,6 +52,9 @@ def open_live(trainer: Trainer) -> LiveSession | None:
                              "starts the replica groups and the lighthouse: run under "
                              "`shoal run --replica-groups N` or `shoal train`")
         return None
+    overruled = place.config.overruled(c.fault_tolerance)
+    if overruled and trainer.harness.is_main and place.group == 0:
+        print(f"shoal: {overruled}", file=sys.stderr, flush=True)
     place = replace(place, config=place.config.with_workers_own(c.fault_tolerance))
     if c.parallel.pp > 1:
         raise UsageError("live recovery does not support pipeline parallelism yet: use "
