@@ -17,8 +17,13 @@
    time, and save throughput against the disk's raw write
    speed measured in the same run with dd (conv=fdatasync), --repeats times, medians.
 
+   With --compression (topk, powersgd, fp16, bf16) the job compresses its gradients so:
+   under live exact, powersgd and topk hand their error feedback over every 10 steps, and a
+   replacement redoes the steps since (its pause includes that redo).
+
     python benchmarks/recovery.py [--steps 14000] [--kills 6] [--seed 0] [--json FILE]
-                                  [--no-save] [--state-mb 540] [--repeats 3]
+                                  [--compression none] [--no-save] [--state-mb 540]
+                                  [--repeats 3]
 """
 
 # ruff: noqa: E402
@@ -45,7 +50,8 @@ MODES = ("restart", "live exact", "live available")
 CHECKPOINT_EVERY = 50  # today's restart: a checkpoint every 50 steps (about 0.4 s here)
 
 
-def job(out: Path, steps: int, schedule: list[tuple[int, int]], checkpoints: bool) -> None:
+def job(out: Path, steps: int, schedule: list[tuple[int, int]], checkpoints: bool,
+        compression: str = "none") -> None:
     """The training job of part 1 (this file with --job): 2 data-parallel workers (2
     processes, or 2 replica groups of 1). Each committed step is logged with its time and
     pid; kill i (step, victim) SIGKILLs the victim (rank, or replica group) in the forward
@@ -61,7 +67,8 @@ def job(out: Path, steps: int, schedule: list[tuple[int, int]], checkpoints: boo
                 "resume": "auto"} if checkpoints else {}
     trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                             batch_size=32, progress=False, max_steps=steps,
-                            metrics={"enabled": False}, **settings)
+                            metrics={"enabled": False}, compression=compression,
+                            **settings)
     log = open(out / f"steps.{slot}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115
     first = out / f"first.{slot}.{os.getpid()}"
 
@@ -95,7 +102,8 @@ def job(out: Path, steps: int, schedule: list[tuple[int, int]], checkpoints: boo
         torch.save(trainer.module.state_dict(), out / f"final.{slot}.pt")
 
 
-def _run_job(mode: str, steps: int, schedule: list[tuple[int, int]]) -> Path:
+def _run_job(mode: str, steps: int, schedule: list[tuple[int, int]],
+             compression: str = "none") -> Path:
     out = Path(tempfile.mkdtemp(prefix="shoal-recovery-"))
     flags = {"restart": ["--nproc-per-node", "2"],
              "live exact": ["--replica-groups", "2", "--ft-policy", "exact"],
@@ -103,7 +111,7 @@ def _run_job(mode: str, steps: int, schedule: list[tuple[int, int]]) -> Path:
              "baseline": ["--nproc-per-node", "2"]}[mode]
     cmd = [sys.executable, "-m", "shoal", "run", *flags, "--max-restarts", str(len(schedule)),
            __file__, "--job", str(out), "--steps", str(steps),
-           "--schedule", json.dumps(schedule)]
+           "--schedule", json.dumps(schedule), "--compression", compression]
     if mode == "restart":
         cmd.append("--checkpoints")
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -168,23 +176,26 @@ def _rate(out: Path) -> float:
     return len({step for _, step, _, _ in rows}) / (rows[-1][0] - rows[0][0])
 
 
-def measure_recovery(steps: int, kills: int, seed: int) -> list[dict]:
+def measure_recovery(steps: int, kills: int, seed: int, compression: str = "none"
+                     ) -> list[dict]:
     """The same job with the same kills, each way; each against itself without kills (its
     goodput) and against 2-process DDP without kills (its equality and step rate)."""
     rng = random.Random(seed)
     at = sorted(rng.sample(range(20, steps - 20), kills))
     schedule = [(step, rng.randrange(2)) for step in at]
-    baseline = _run_job("baseline", steps, [])
+    baseline = _run_job("baseline", steps, [], compression)
     ddp_rate = _rate(baseline)
     results, calm = [], {}
     for mode in MODES:
-        # Without kills both live policies do the same: one calm run serves both.
-        kind = "live" if mode.startswith("live") else mode
+        # Without kills both live policies do the same (one calm run serves both), but under
+        # powersgd and topk, where 'exact' also hands over and logs.
+        shared = mode.startswith("live") and compression not in ("powersgd", "topk")
+        kind = "live" if shared else mode
         if kind not in calm:
-            quiet = _run_job(mode, steps, [])
+            quiet = _run_job(mode, steps, [], compression)
             calm[kind] = _rate(quiet)
             shutil.rmtree(quiet, ignore_errors=True)
-        out = _run_job(mode, steps, schedule)
+        out = _run_job(mode, steps, schedule, compression)
         figures = _figures(mode, out, schedule, baseline, calm[kind])
         figures["rate_vs_ddp"] = calm[kind] / ddp_rate  # the mode's cost without failures
         results.append(figures)
@@ -249,9 +260,10 @@ def measure_save(megabytes: int, repeats: int) -> dict:
             **{k: statistics.median(v) for k, v in results.items()}}
 
 
-def _print_recovery(results: list[dict], steps: int, kills: int) -> None:
-    print(f"recovery: a {steps}-step digits job on 2 data-parallel workers, {kills} SIGKILLs "
-          "of a random worker at random steps, the same kills each way")
+def _print_recovery(results: list[dict], steps: int, kills: int, compression: str) -> None:
+    print(f"recovery: a {steps}-step digits job on 2 data-parallel workers "
+          f"(compression {compression}), {kills} SIGKILLs of a random worker at random "
+          "steps, the same kills each way")
     print(f"  {'mode':<16}{'pause (s)':>10}{'rejoin (s)':>11}{'lost':>6}{'restarts':>9}"
           f"{'equal':>7}{'goodput':>9}{'healed':>10}{'heal (s)':>9}{'kills':>6}{'run (s)':>8}")
     for r in results:
@@ -266,7 +278,9 @@ def _print_recovery(results: list[dict], steps: int, kills: int) -> None:
               "2-process DDP")
     print("  pause: kill -> the other worker's next step past the killed one's last, or its "
           "first in a new process (median); rejoin: kill -> "
-          "the replacement's; restarts: of workers that were not killed; goodput: committed "
+          "the replacement's; lost: steps done again after a kill (live exact under powersgd "
+          "or topk: the replacement's redo since the hand-over; the others lose none); "
+          "restarts: of workers that were not killed; goodput: committed "
           "steps per second against the same mode without kills (targets: pause <= 1.5 s, "
           "0 steps lost, 0 restarts in live modes, goodput >= 0.85)")
 
@@ -279,6 +293,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="of the kills' steps and victims")
     parser.add_argument("--json", default=None, metavar="FILE",
                         help="write the recovery figures, one object per mode")
+    parser.add_argument("--compression", default="none",
+                        help="of the recovery job's gradients (none, fp16, bf16, powersgd, topk)")
     parser.add_argument("--no-save", action="store_true", help="skip part 2")
     parser.add_argument("--state-mb", type=int, default=540)
     parser.add_argument("--repeats", type=int, default=3)
@@ -288,9 +304,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.job:
         return job(Path(args.job), args.steps, [tuple(k) for k in json.loads(args.schedule)],
-                   args.checkpoints)
-    results = measure_recovery(args.steps, args.kills, args.seed)
-    _print_recovery(results, args.steps, args.kills)
+                   args.checkpoints, args.compression)
+    results = measure_recovery(args.steps, args.kills, args.seed, args.compression)
+    _print_recovery(results, args.steps, args.kills, args.compression)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.no_save:
