@@ -101,11 +101,11 @@ class HangWatch(threading.Thread):
         self.poll = poll
         self.network = network
         self.report: str | None = None
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._killed: set[int] = set()  # pids already diagnosed (a restart brings new ones)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     def _live_beats(self) -> dict[int, tuple[float, int, int]]:
         """rank -> beat, for the ranks whose process is alive and not yet diagnosed."""
@@ -118,7 +118,7 @@ class HangWatch(threading.Thread):
         return beats
 
     def run(self) -> None:
-        while not self._stop.wait(self.poll):
+        while not self._stopping.wait(self.poll):
             beats = self._live_beats()
             if len(beats) < self.local_ranks:
                 continue  # not all ranks started (or a restart is under way)

@@ -28,7 +28,7 @@ class NodeWatch(threading.Thread):
         self.host, self.port, self.interval = host, port, interval
         self.address = address
         self.me = f"{socket.gethostname()} ({address})"
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._store: TCPStore | None = None
         self._heard: dict[str, tuple[int, float]] = {}  # node -> (counter, when it moved)
         self._store_answered = time.monotonic()
@@ -36,10 +36,16 @@ class NodeWatch(threading.Thread):
         self._lock = threading.Lock()
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop beating, and wait for a store call in flight: one still running when the
+        interpreter exits (a daemon thread) aborts the launcher ("terminate called without
+        an active exception") where the master's store is gone, and the node then exits
+        134 instead of its own code (a SLURM job requeued on a time limit fails instead)."""
+        self._stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=max(2.0, 3 * self.interval) + 2.0)  # the store's timeout
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stopping.wait(self.interval):
             try:
                 self._beat()
             except Exception:  # noqa: BLE001 - unreachable or gone: silence is the signal
