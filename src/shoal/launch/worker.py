@@ -61,9 +61,11 @@ def _run(argv: list[str]) -> dict:
         sys.path.insert(0, os.getcwd())
         return runpy.run_module(module, run_name="__main__", alter_sys=True)
     script, args = argv[0], argv[1:]
+    # As `python SCRIPT`: sys.argv[0] as given, __file__ and tracebacks absolute.
     sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    return runpy.run_path(script, run_name="__main__")
+    path = os.path.abspath(script)
+    sys.path[0] = os.path.dirname(path)
+    return runpy.run_path(path, run_name="__main__")
 
 
 def _shut_down(namespace: dict) -> None:
@@ -80,8 +82,30 @@ def _shut_down(namespace: dict) -> None:
         dist.destroy_process_group()
 
 
-def _bootstrap(argv: list[str], forked: bool = False) -> None:
-    """Run the user's code; return once it finished well, after its atexit handlers."""
+def exit_status(exc: SystemExit) -> int:
+    """The status ``python`` exits with for ``exc``, printing a non-number code as it does:
+    None is 0, a number is itself, anything else is printed to stderr and is 1."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF  # what the parent reads, as for exit(3) in C
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed by the script
+            pass
+
+
+def _bootstrap(argv: list[str], forked: bool = False) -> int:
+    """Run the user's code and its atexit handlers; return the status ``python`` would exit
+    with. An uncaught exception ends the process here (status 1, or the signal of a
+    KeyboardInterrupt, as ``python`` does)."""
     # Run in place of a scheduler's task (shoal.launch.direct), no launcher is the parent:
     # a parent of pid 1 (tini, a container's init) is then no sign of a dead launcher.
     if os.environ.pop("SHOAL_IN_PLACE", None) != "1":
@@ -93,38 +117,45 @@ def _bootstrap(argv: list[str], forked: bool = False) -> None:
     heartbeat.enable_from_environment()
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+    status = 0
     try:
         # record() writes the error file that the launcher's failure summary reads.
         # record() turns sys.exit(0) into None: nothing left to shut down then but the group.
-        _shut_down(record(_run)(argv) or {})
+        namespace = record(_run)(argv) or {}
     except SystemExit as exc:
-        if exc.code not in (0, None):
+        # sys.exit(), exit(), raise SystemExit: the script ends as python ends it.
+        status = exit_status(exc)
+        if status != 0:
             # Recorded so the launcher knows this rank chose to exit, even if it is stopped
             # while still shutting down (its exit code would then read as SIGTERM).
             ErrorHandler().record_exception(exc)
-        raise
+        exc.__traceback__ = None  # its frames hold the script's globals
+        namespace = {}
     except BaseException as exc:
         # Printed here rather than by sys.excepthook: torch's hook would add a second rank
         # prefix to lines the launcher already prefixes.
         traceback.print_exception(type(exc), exc, _user_traceback(exc.__traceback__))
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush()
         if forked:
             _let_the_peer_be_seen_first(exc)
+        if isinstance(exc, KeyboardInterrupt):  # python ends by the signal itself
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(1)
+    if status == 0:
+        _shut_down(namespace)
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
+    return status
 
 
 def main() -> None:
     """``python -m shoal.launch.worker [-m] ENTRY ARGS...``: a worker started as a command."""
-    _bootstrap(sys.argv[1:])
-    # Exit 0 without the interpreter's finalization: even with the group destroyed, objects
+    # Exit without the interpreter's finalization: even with the group destroyed, objects
     # of torch's C++ side torn down by static destructors at finalization abort the process
     # now and then ("terminate called without an active exception"), and a finished job
     # reads as failed.
-    os._exit(0)
+    os._exit(_bootstrap(sys.argv[1:]))
 
 
 def _let_the_server_go() -> None:
@@ -161,8 +192,11 @@ def run_forked(cwd: str, *argv: str) -> None:
     """The same bootstrap in a worker forked from the launcher's preloaded server
     (shoal.launch.worker_start), called by torch.distributed.elastic as a function.
 
-    Returning hands elastic the (empty) result; multiprocessing then ends the process with
-    ``os._exit``, without the interpreter's finalization, as ``main`` does.
+    Returning hands elastic the (empty) result, which is how it learns that the worker
+    finished well: a status of 0 (``sys.exit()``, ``exit()``, ``raise SystemExit``) returns.
+    multiprocessing then ends the process with ``os._exit``, without the interpreter's
+    finalization, as ``main`` does. Any other status ends the process here, while its
+    output still goes to the rank's log.
     """
     _let_the_server_go()
     # ps, top and kill by name see the worker as they would one started as a command, and
@@ -174,7 +208,9 @@ def run_forked(cwd: str, *argv: str) -> None:
     # The server's directory and sys.path[0] are the launcher's; be where `python -m` is.
     os.chdir(cwd)
     sys.path[0] = cwd
-    _bootstrap(list(argv), forked=True)
+    status = _bootstrap(list(argv), forked=True)
+    if status != 0:
+        os._exit(status)
 
 
 if __name__ == "__main__":
