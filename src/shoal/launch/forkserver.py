@@ -50,6 +50,34 @@ def start_method() -> str:
     return "forkserver"
 
 
+def forget_ended_server() -> tuple[int, str] | None:
+    """If the server this process started has ended, forget it, so that the next process
+    started makes a new one; its pid and how it ended ("was killed by SIGKILL"), else None.
+
+    Python's own check (``ensure_running``) makes a new server only when the old one has
+    ended before it looks, and then silently; one that ends while it forks breaks the start
+    off. This lets the launcher look first, and say so.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return None
+    try:
+        ended, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # reaped already
+        ended, status = pid, 0
+    if not ended:
+        return None
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+    if os.WIFSIGNALED(status):
+        return pid, f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return pid, f"ended with status {os.waitstatus_to_exitcode(status)}"
+
+
 def in_callers_environment(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` in the environment ``env`` of the caller (of shoal.spawn, or the
     launcher), plus what torch.distributed.elastic set for this process (RANK, ...)."""

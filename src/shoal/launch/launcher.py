@@ -21,6 +21,7 @@ from shoal.launch.hangwatch import HangWatch
 from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
 from shoal.launch.ports import check_port_free
+from shoal.launch.restarts import RestartLog
 from shoal.launch.summary import report_failure
 from shoal.launch.worker_start import WorkerStart, worker_start
 from shoal.runtime.compat import cheap_rendezvous_event_names, has_shutdown_grace
@@ -173,10 +174,16 @@ def _start_node_watch(spec: LaunchSpec) -> NodeWatch | None:
     return watch
 
 
+def _shown_torch_level() -> int:
+    """The level of torch's launcher logs that is printed (SHOAL_TORCH_LOG_LEVEL)."""
+    level = logging.getLevelName(os.environ.get("SHOAL_TORCH_LOG_LEVEL", "CRITICAL").upper())
+    return level if isinstance(level, int) else logging.CRITICAL
+
+
 def quiet_torch_logs() -> None:
     # The agent logs every state change; shoal prints its own summary instead.
     # torch gives each of its modules a logger with its own level, so set them one by one.
-    level = os.environ.get("SHOAL_TORCH_LOG_LEVEL", "CRITICAL")
+    level = _shown_torch_level()
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher",
                             "torch.multiprocessing")):
@@ -210,6 +217,8 @@ def launch(spec: LaunchSpec) -> int:
         # torch checks every collective's fingerprint across ranks and names a mismatch.
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     watch = _start_hang_watch(spec, log_dir, nodes)
+    restarts = RestartLog(log_dir, spec.max_restarts, spec.node_rank * spec.nproc_per_node,
+                          _shown_torch_level()).install()
     # Last, once every variable for the workers is set: forked workers get this environment.
     start = worker_start(spec)
     config = build_launch_config(spec, log_dir, nodes.address if nodes else None, start)
@@ -229,8 +238,9 @@ def launch(spec: LaunchSpec) -> int:
             return HANG_EXIT_CODE
         # The logs stay: the summary points to them.
         return report_failure(failed, log_dir, first_rank=spec.node_rank * spec.nproc_per_node,
-                              nodes=nodes.known() if nodes else ())
+                              nodes=nodes.known() if nodes else (), earlier=restarts.attempts)
     finally:
+        restarts.uninstall()
         for thread in (watch, nodes):
             if thread is not None:
                 thread.stop()

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from rich.console import Console
+from rich.markup import escape
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from shoal.launch.frames import OWN_FRAMES
+from shoal.launch.frames import OWN_FRAMES, PID_FILE
 
 
 def describe_exit(exitcode: int) -> str:
@@ -99,26 +100,43 @@ def _recorded_message(failure: ProcessFailure) -> str:
     return "" if message == "<NONE>" else message  # torch's filler when there is no file
 
 
+def _raised(failure: ProcessFailure, message: str) -> str:
+    """'ValueError: text', or for an exception without text (a bare ``assert``) where it
+    was raised: 'AssertionError at train.py:12: assert loss < 1'."""
+    first = message.splitlines()[0]
+    kind, _, text = first.partition(": ")
+    if text.strip() or ": " not in first:
+        return first
+    data = failure.error_file_data
+    stack = (data.get("message", {}).get("extraInfo", {}).get("py_callstack", "")
+             if isinstance(data, dict) and isinstance(data.get("message"), dict) else "")
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n    ([^\n]*)', stack)
+    if not frames:
+        return f"{kind} (no message)"
+    path, line, source = frames[-1]
+    return f"{kind} at {path}:{line}: {source.strip()}"
+
+
 def classify(failure: ProcessFailure) -> Cause:
     """Why a rank ended: its own recorded error first, then its exit status."""
     message = _recorded_message(failure)
     if message.startswith("SystemExit: "):
         code = message.removeprefix("SystemExit: ")
         if code.lstrip("-").isdigit():
-            return Cause(f"exit code {code}", int(code) or 1, own=True)
-        return Cause(f"exit code 1 (sys.exit: {code[:200]})", 1, own=True)
+            return Cause(f"exit code {int(code) & 0xFF}", int(code) & 0xFF or 1, own=True)
+        return Cause(f"exit code 1 (sys.exit: {code})", 1, own=True)
     if message and any(marker in message for marker in PEER_LOST):
-        first = _SOURCE_PATH.sub("", message.splitlines()[0])[:160]
+        first = _SOURCE_PATH.sub("", message.splitlines()[0])
         return Cause(f"lost its connection to a failed rank: {first}", 1, own=False)
     if message:
-        return Cause(f"raised {message.splitlines()[0][:200]}", 1, own=True)
+        return Cause(f"raised {_raised(failure, message)}", 1, own=True)
     if failure.exitcode == -signal.SIGTERM:
         return Cause("killed by SIGTERM (stopped by shoal after the first failure)",
                      launcher_exit_code(failure.exitcode), own=False)
     return Cause(describe_exit(failure.exitcode), launcher_exit_code(failure.exitcode), True)
 
 
-def _latest_attempt_dir(log_dir: str) -> str | None:
+def latest_attempt_dir(log_dir: str) -> str | None:
     attempts = glob.glob(os.path.join(log_dir, "**", "attempt_*"), recursive=True)
     return max(attempts, key=lambda p: int(p.rsplit("_", 1)[1]), default=None)
 
@@ -132,7 +150,7 @@ def collect_failures(failed: ChildFailedError, log_dir: str, first_rank: int = 0
     what happened to them. ``first_rank`` is this node's first global rank.
     """
     failures = dict(failed.failures)
-    attempt = _latest_attempt_dir(log_dir)
+    attempt = latest_attempt_dir(log_dir)
     if attempt is None:
         return failures
     known = {f.local_rank for f in failures.values()}
@@ -142,10 +160,19 @@ def collect_failures(failed: ChildFailedError, log_dir: str, first_rank: int = 0
             continue
         try:
             failures[first_rank + local_rank] = ProcessFailure(
-                local_rank=local_rank, pid=0, exitcode=1, error_file=path)
+                local_rank=local_rank, pid=_worker_pid(os.path.dirname(path)), exitcode=1,
+                error_file=path)
         except ValueError:  # a rank stopped while it wrote its file: nothing to tell
             continue
     return failures
+
+
+def _worker_pid(folder: str) -> int:
+    try:
+        with open(os.path.join(folder, PID_FILE)) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
 
 
 def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
@@ -165,10 +192,12 @@ def _lost_node(message: str, nodes: Sequence[str]) -> str | None:
 
 
 def report_failure(failed: ChildFailedError, log_dir: str, first_rank: int = 0,
-                   console: Console | None = None, nodes: Sequence[str] = ()) -> int:
+                   console: Console | None = None, nodes: Sequence[str] = (),
+                   earlier: Sequence = ()) -> int:
     """Print the summary of a failed job to stderr and return the launcher's exit code.
     ``nodes``: the other nodes of a multi-node job ('HOSTNAME (ADDRESS)'), to name the one
-    a rank lost its connection to."""
+    a rank lost its connection to. ``earlier``: the first failure of each attempt before
+    the last (shoal.launch.restarts.AttemptFailure), listed when there were restarts."""
     console = console or Console(stderr=True, highlight=False)
     failures = collect_failures(failed, log_dir, first_rank)
     root_rank, root = root_cause(failures)
@@ -177,10 +206,21 @@ def report_failure(failed: ChildFailedError, log_dir: str, first_rank: int = 0,
     if lost is not None:
         cause = replace(cause, text=cause.text.replace(
             "a failed rank", f"a failed rank on node {lost}", 1))
-    console.print(f"[bold red]shoal: rank {root_rank} failed first[/] ({cause.text}; "
-                  f"local rank {root.local_rank}, pid {root.pid})", markup=True, soft_wrap=True)
+    pid = f", pid {root.pid}" if root.pid else ""
+    console.print(f"[bold red]shoal: rank {root_rank} failed first[/] ({escape(cause.text)}; "
+                  f"local rank {root.local_rank}{pid})", markup=True, soft_wrap=True)
     for rank in sorted(r for r in failures if r != root_rank):
         console.print(f"  rank {rank}: {classify(failures[rank]).text}",
+                      markup=False, soft_wrap=True)
+    if earlier:
+        attempts = len(earlier) + 1
+        console.print(f"Every attempt failed ({attempts} of {attempts}); the first failure of "
+                      "each:", markup=False, soft_wrap=True)
+        for attempt in earlier:
+            console.print(f"  attempt {attempt.attempt}: {attempt.describe()}",
+                          markup=False, soft_wrap=True)
+        pid = f" (pid {root.pid})" if root.pid else ""
+        console.print(f"  attempt {attempts}: rank {root_rank} {cause.text}{pid}",
                       markup=False, soft_wrap=True)
     trace = first_traceback(root, log_dir)
     if trace and _recorded_message(root).startswith("SystemExit"):

@@ -21,7 +21,7 @@ import traceback
 
 import setproctitle
 
-from shoal.launch.frames import OWN_FRAMES
+from shoal.launch.frames import OWN_FRAMES, PID_FILE
 
 # setproctitle finds the command line it rewrites through the environment, which a forked
 # worker has changed by the time it names itself; done here, in the server that preloads
@@ -82,6 +82,17 @@ def _shut_down(namespace: dict) -> None:
         dist.destroy_process_group()
 
 
+def _leave_pid() -> None:
+    """This worker's pid beside its error file, for the launcher's failure summary."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(os.path.join(os.path.dirname(error_file), PID_FILE), "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            pass  # the summary then names the rank without its pid
+
+
 def exit_status(exc: SystemExit) -> int:
     """The status ``python`` exits with for ``exc``, printing a non-number code as it does:
     None is 0, a number is itself, anything else is printed to stderr and is 1."""
@@ -115,6 +126,7 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
     from shoal.runtime import heartbeat
 
     heartbeat.enable_from_environment()
+    _leave_pid()
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
     status = 0

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.launch.config import LaunchSpec
+from shoal.launch.forked import teach_elastic_forked_workers
 from shoal.launch.forkserver import in_callers_environment, start_method
 
 
@@ -33,40 +34,6 @@ class WorkerStart:
     """The command's arguments, or the function's."""
     start_method: str
     """How a function's process is started ("forkserver" or "spawn"); unused for a command."""
-
-
-def count_a_clean_exit_as_finished() -> bool:
-    """Make elastic take a forked worker that ended with status 0 as finished.
-
-    elastic learns that a worker run as a function finished from the value it hands back,
-    and waits for that value: a script ending in ``os._exit(0)`` hands back none, and the
-    job would wait forever (a worker run as a command is judged by its status alone, as
-    torchrun judges it). A forked worker that ended with 0 is given the empty value it
-    would have returned. A torch whose ``MultiprocessContext`` lacks what this reads is
-    left as it is; returns whether it was changed.
-    """
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
-
-    original = MultiprocessContext._poll
-    if getattr(original, "_shoal", False):
-        return True
-    probe = MultiprocessContext.__init__.__code__.co_names
-    if not {"_ret_vals", "_return_values", "_pc"} <= set(probe):
-        return False
-
-    def _poll(self):
-        if self._pc is not None:
-            for local_rank, process in enumerate(self._pc.processes):
-                # A worker that handed back its value waits until elastic has read them
-                # all, so one that has ended with 0 before that never handed one back.
-                if (local_rank not in self._return_values and process.exitcode == 0
-                        and self._ret_vals[local_rank].empty()):
-                    self._return_values[local_rank] = None
-        return original(self)
-
-    _poll._shoal = True  # type: ignore[attr-defined]
-    MultiprocessContext._poll = _poll
-    return True
 
 
 def worker_argv(spec: LaunchSpec) -> list[str]:
@@ -86,7 +53,7 @@ def worker_start(spec: LaunchSpec) -> WorkerStart:
         # runpy warns of a module found imported before it runs.
         from shoal.launch.worker import run_forked
 
-        count_a_clean_exit_as_finished()
+        teach_elastic_forked_workers()
         # The arguments one by one, so that elastic substitutes ${local_rank} in them as it
         # does in a command's.
         return WorkerStart(in_callers_environment,

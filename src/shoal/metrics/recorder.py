@@ -25,6 +25,7 @@ from shoal.metrics.steps import PHASES, StepClock
 from shoal.metrics.stragglers import describe, find_straggler
 from shoal.metrics.writer import MetricsWriter
 from shoal.runtime.collectives import gather_into_tensor
+from shoal.runtime.restarts import restart_cause
 
 STEP_FIELDS = (*PHASES, "step", "samples", "tokens", "bytes")
 TENSOR_FIELDS = ("loss", "grad_norm")  # device tensors, read once per window
@@ -118,10 +119,16 @@ class StepMetrics:
         self.total_steps = 0
         self.total_tokens = self.total_time = 0.0  # rank 0: the job's tokens and step time
         self._last_straggler: tuple[int, str] | None = None
-        # A start (and each restart or resume) is marked, for the dashboard's curves.
+        # A start (and each restart or resume) is marked, for the dashboard's curves; a
+        # restart under `shoal run` after the failure the launcher told of.
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        failure = restart_cause(restart)
+        if failure is not None:
+            self.record("event", start_step, kind="failure", attempt=failure.attempt,
+                        rank=failure.rank, pid=failure.pid, cause=failure.cause,
+                        exit_code=failure.exit_code, failed_at=failure.time)
         self.record("event", start_step, kind="resume" if resumed else "start",
-                    world_size=world, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                    memory_limit_bytes=memory_limit())
+                    world_size=world, restart=restart, memory_limit_bytes=memory_limit())
 
     def _open_mlflow(self, params: dict, tracking: dict[str, str]) -> MLflowRun | None:
         name = os.path.basename(os.path.normpath(self.config.dir)) if self.config.dir else None
