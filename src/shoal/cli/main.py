@@ -35,6 +35,7 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     intermixed = {"train": train, "rl": rl_cmd.register(subparsers),
                   "slurm": slurm_cmd.register(subparsers),
                   "k8s": k8s_cmd.register(subparsers)}
+    parser.commands = subparsers.choices  # type: ignore[attr-defined]
     return parser, intermixed
 
 
@@ -45,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         # Overrides and flags in any order: 'a=1 --nproc-per-node 2 b=2'.
         args = intermixed[argv[0]].parse_intermixed_args(argv[1:])
     else:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # told by the subcommand's parser, which knows its flags
+            parser.commands.get(args.command, parser).error(
+                f"unrecognized arguments: {' '.join(extra)}")
     try:
         code = args.handler(args)
     except UsageError as exc:

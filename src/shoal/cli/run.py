@@ -6,6 +6,14 @@ import argparse
 import os
 import sys
 
+from shoal.cli.torchrun import (
+    add_script_arguments,
+    add_torchrun_arguments,
+    agent_options,
+    apply_torchrun_rendezvous,
+    flag,
+    pet_defaults,
+)
 from shoal.clusters.detect import ClusterEnv, detect
 from shoal.errors import UsageError
 from shoal.ft import FaultToleranceConfig
@@ -14,76 +22,79 @@ from shoal.launch.config import resolve_nproc
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The topology flags shared by `shoal run` and `shoal train`."""
+    """The topology flags shared by `shoal run` and `shoal train`, and the rest of
+    torchrun's (shoal.cli.torchrun)."""
     # Topology flags default to None, "not given": then the values of a scheduler found in
     # the environment (SLURM, MPI, Kubernetes; see shoal.clusters.detect) apply, if any.
-    parser.add_argument("--nproc-per-node", default=None,
+    flag(parser, "--nproc-per-node", default=None,
                         help="worker processes on this node: a number or 'auto' "
                         "(default: the scheduler's, else 1)")
-    parser.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
+    flag(parser, "--nnodes", default=None, metavar="N|MIN:MAX",
                         help="number of nodes (default: the scheduler's, else 1); MIN:MAX is "
                         "elastic: the job goes on with as few as MIN nodes (needs "
                         "--rdzv-endpoint)")
-    parser.add_argument("--node-rank", type=int, default=None,
+    flag(parser, "--node-rank", type=int, default=None,
                         help="this node's rank (default: the scheduler's, else 0)")
-    parser.add_argument("--master-addr", default=None,
+    flag(parser, "--master-addr", default=None,
                         help="address of node 0 (default: the scheduler's, else 127.0.0.1)")
-    parser.add_argument("--master-port", type=int, default=None,
+    flag(parser, "--master-port", type=int, default=None,
                         help="port on node 0 (default: the scheduler's; on one node a free "
                         "port is picked)")
-    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+    flag(parser, "--rdzv-endpoint", default=None, metavar="HOST:PORT",
                         help="c10d rendezvous store: node ranks are assigned when nodes meet "
                         "(instead of --node-rank/--master-addr/--master-port)")
-    parser.add_argument("--rdzv-id", default=None, metavar="JOB",
+    flag(parser, "--rdzv-id", default=None, metavar="JOB",
                         help="the job's name at the rendezvous, the same on every node")
-    parser.add_argument("--rdzv-host", action="store_true",
+    flag(parser, "--rdzv-host", action="store_true",
                         help="this node hosts the rendezvous store (default: the node that "
                         "owns the endpoint's address)")
-    parser.add_argument("--rdzv-last-call", type=float, default=10.0, metavar="SECONDS",
+    flag(parser, "--rdzv-last-call", type=float, default=10.0, metavar="SECONDS",
                         help="once MIN nodes are there, wait this long for more (default 10)")
-    parser.add_argument("--max-restarts", type=int, default=0,
+    flag(parser, "--max-restarts", type=int, default=None,
                         help="restart all workers up to K times after a failure (default 0)")
-    parser.add_argument("--log-dir", default=None, help="keep one log per rank in DIR")
-    parser.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
+    flag(parser, "--log-dir", default=None, help="keep one log per rank in DIR")
+    flag(parser, "--hang-timeout", type=float, default=None, metavar="SECONDS",
                         help="report where every rank is and stop the job when no rank made "
                         "progress for this long (default 600; in live mode half the "
                         "replacement timeout; 0 turns it off)")
-    parser.add_argument("--debug", action="store_true",
+    flag(parser, "--debug", action="store_true",
                         help="check each collective across ranks (op, shapes, dtypes)")
-    parser.add_argument("--ft-mode", choices=["restart", "live"], default=None,
+    flag(parser, "--ft-mode", choices=["restart", "live"], default=None,
                         help="how the job lives through a failure: 'restart' (default) "
                         "restarts every worker from the last checkpoint; 'live' runs it as "
                         "replica groups, one per node (docs/fault_tolerance.md)")
-    parser.add_argument("--replica-groups", type=int, default=None, metavar="R",
+    flag(parser, "--replica-groups", type=int, default=None, metavar="R",
                         help="live recovery: run R replica groups on this node, each with its "
                         "own workers and restarts; a failed group heals from a live one while "
                         "the others wait or go on (implies --ft-mode live)")
-    parser.add_argument("--ft-policy", choices=["exact", "available"], default=None,
+    flag(parser, "--ft-policy", choices=["exact", "available"], default=None,
                         help="live mode: 'exact' (default) waits for the replacement and "
                         "ends bitwise equal to a run without failures; 'available' goes on "
                         "without the missing group")
-    parser.add_argument("--lighthouse", default=None, metavar="http://HOST:PORT",
+    flag(parser, "--lighthouse", default=None, metavar="http://HOST:PORT",
                         help="live mode: a running torchft lighthouse (default: one is "
                         "started for the job)")
-    parser.add_argument("--ft-step-timeout", type=float, default=None, metavar="SECONDS",
+    flag(parser, "--ft-step-timeout", type=float, default=None, metavar="SECONDS",
                         help="live mode: the longest a step across groups may wait for one "
                         "(fault_tolerance.step_timeout_s, default 10)")
-    parser.add_argument("--ft-replacement-timeout", type=float, default=None,
+    flag(parser, "--ft-replacement-timeout", type=float, default=None,
                         metavar="SECONDS",
                         help="live mode, policy exact: how long the other groups wait for a "
                         "replacement (fault_tolerance.replacement_timeout_s, default 120)")
-    parser.add_argument("--no-preload", dest="preload", action="store_false",
+    flag(parser, "--no-preload", dest="preload", action="store_false",
                         help="start each worker as a new python process instead of forking "
                         "it from a server that has imported torch (Linux; restarts are "
                         "slower then)")
+    add_torchrun_arguments(parser)
+    pet_defaults(parser)
 
 
 def add_fetch_arguments(parser: argparse.ArgumentParser) -> None:
     """`--fetch-data URL DEST`: the node fetches its data before its workers start."""
-    parser.add_argument("--fetch-data", nargs=2, default=None, metavar=("URL", "DEST"),
+    flag(parser, "--fetch-data", nargs=2, default=None, metavar=("URL", "DEST"),
                         help="first fetch the dataset `shoal data serve` serves at URL into "
                         "DEST on this node (see `shoal data fetch`)")
-    parser.add_argument("--fetch-token-file", default=None, metavar="FILE",
+    flag(parser, "--fetch-token-file", default=None, metavar="FILE",
                         help="the data server's token, for --fetch-data")
 
 
@@ -107,11 +118,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "environment torchrun gives (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...).",
     )
     add_launch_arguments(parser)
-    parser.add_argument("-m", dest="module", action="store_true",
+    parser.add_argument("-m", "--module", dest="module", action="store_true",
                         help="treat ENTRY as a module name, like python -m")
+    add_script_arguments(parser)
     add_fetch_arguments(parser)
     parser.add_argument("entry", metavar="SCRIPT|MODULE", help="the training script or module")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    pet_defaults(parser)
     parser.set_defaults(handler=run_command)
 
 
@@ -197,6 +210,7 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
                    fault_tolerance: FaultToleranceConfig | None = None) -> LaunchSpec:
     """Build the LaunchSpec from parsed flags, then a per-node ``cluster``'s values, then the
     defaults; validation happens in LaunchSpec itself."""
+    apply_torchrun_rendezvous(args)
     node = cluster if cluster is not None and not cluster.per_process else None
     counts = (_node_counts(args.nnodes) if args.nnodes is not None
               else {"nnodes": node.nnodes if node else 1, "min_nodes": None})
@@ -216,7 +230,8 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
         rdzv_id=args.rdzv_id,
         rdzv_host=args.rdzv_host,
         rdzv_last_call=args.rdzv_last_call,
-        max_restarts=args.max_restarts,
+        max_restarts=args.max_restarts or 0,
+        monitor_interval=_given(args.monitor_interval, 0.1),
         log_dir=args.log_dir,
         hang_timeout=_given(args.hang_timeout,
                             live.default_hang_timeout_s if live.live else 600.0) or None,
@@ -224,6 +239,8 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
         replica_groups=live.replica_groups or 1 if live.live else 1,
         fault_tolerance=live,
         preload=args.preload,
+        no_python=getattr(args, "no_python", False),
+        agent=agent_options(args),
     )
 
 

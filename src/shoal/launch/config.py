@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 
 from shoal.errors import UsageError
@@ -20,13 +21,91 @@ def resolve_nproc(value: int | str) -> int:
                 return torch.cuda.device_count()
             return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
                 else os.cpu_count() or 1
+        if value in ("cpu", "gpu"):  # as torchrun: one per CPU core, or one per GPU
+            import torch
+
+            if value == "gpu" and not torch.cuda.is_available():
+                raise UsageError("--nproc-per-node gpu: no GPU is visible")
+            return torch.cuda.device_count() if value == "gpu" else os.cpu_count() or 1
         try:
             value = int(value)
         except ValueError:
             raise UsageError(
-                f"--nproc-per-node must be a whole number or 'auto', not {value!r}"
+                f"--nproc-per-node must be a whole number, 'auto', 'cpu' or 'gpu', not "
+                f"{value!r}"
             ) from None
     return value
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """Settings of torch's elastic agent that torchrun's flags give and shoal passes on as
+    given (shoal.cli.torchrun); each default is what shoal does without the flag."""
+
+    role: str = "default"
+    """The workers' role (ROLE_NAME), as torchrun names it."""
+    event_log_handler: str | None = None
+    """torch.distributed.elastic's event handler; None: torch's default (null)."""
+    redirects: str = "0"
+    """torchrun's ``--redirects``: streams kept out of the terminal (they are always logged,
+    for the failure summary); per local rank as ``0:1,1:2``."""
+    tee: str = "0"
+    """torchrun's ``--tee``: streams shown as well; shoal shows all but ``redirects``'."""
+    local_ranks_filter: str | None = None
+    """Show only these local ranks' output (``0,2``); None: all."""
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    """Lines holding one of these are also copied to a file of their own (torch 2.13 on)."""
+    local_addr: str | None = None
+    """This node's address as the other nodes reach it; None: found by shoal."""
+    logs_specs: str | None = None
+    """A LogsSpecs of the entry point group ``torchrun.logs_specs``; None: torch's default."""
+    numa_binding: str | None = None
+    """Bind each GPU worker near its GPU: node, socket, exclusive or core-complex."""
+    signals_to_handle: str | None = None
+    """Signals passed on to the workers; None: shoal's list (torchrun's and SIGUSR1)."""
+    shutdown_timeout: int | None = None
+    """Seconds between SIGTERM and SIGKILL when workers are stopped; None: shoal's 60."""
+    virtual_local_rank: bool = False
+    """Each worker sees LOCAL_RANK 0 and only its own GPU."""
+    rdzv_conf: dict = field(default_factory=dict)
+    """More settings of the c10d rendezvous (``--rdzv-conf``: join_timeout, ...)."""
+
+    def __post_init__(self) -> None:
+        from torch.distributed.elastic.multiprocessing import Std
+
+        for name in ("redirects", "tee"):
+            try:
+                Std.from_str(getattr(self, name))
+            except ValueError:
+                raise UsageError(f"--{name} takes 0, 1, 2 or 3, or per local rank 0:1,1:2; "
+                                 f"got {getattr(self, name)!r}") from None
+        if self.local_ranks_filter is not None:
+            ranks = self.local_ranks_filter.split(",")
+            if not all(rank.strip().isdigit() for rank in ranks):
+                raise UsageError("--local-ranks-filter takes local ranks as 0,1,2; got "
+                                 f"{self.local_ranks_filter!r}")
+        if self.shutdown_timeout is not None and self.shutdown_timeout < 0:
+            raise UsageError(f"--shutdown-timeout must be 0 or more, got {self.shutdown_timeout}")
+
+    def shown_streams(self, nproc: int):
+        """What each local rank shows on the terminal, as torch's ``tee`` (all that is not
+        redirected without being teed)."""
+        from torch.distributed.elastic.multiprocessing import Std
+
+        def per_rank(value):
+            parsed = Std.from_str(value)
+            return parsed if isinstance(parsed, dict) else dict.fromkeys(range(nproc), parsed)
+
+        redirects, tee = per_rank(self.redirects), per_rank(self.tee)
+        return {rank: Std(Std.ALL.value & ~(redirects.get(rank, Std.NONE).value
+                                            & ~tee.get(rank, Std.NONE).value))
+                for rank in range(nproc)}
+
+    def ranks_shown(self) -> set[int] | None:
+        if self.local_ranks_filter is None:
+            return None
+        return {int(rank) for rank in self.local_ranks_filter.split(",")}
 
 
 @dataclass
@@ -81,6 +160,11 @@ class LaunchSpec:
     """Fork the workers from a server that has imported torch once (Linux), so that a
     restarted worker starts in a fraction of a second; False: each worker is a new
     ``python`` process (shoal.launch.worker_start)."""
+    no_python: bool = False
+    """``entry`` is a program of its own, run without the Python bootstrap (torchrun's
+    ``--no-python``)."""
+    agent: AgentOptions = field(default_factory=AgentOptions)
+    """torchrun's settings of the elastic agent, passed on as given."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -117,7 +201,11 @@ class LaunchSpec:
                              "--nnodes MIN:MAX")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
-        if not self.module and not os.path.isfile(self.entry):
+        if self.no_python and self.module:
+            raise UsageError("--no-python runs a program, -m a Python module: give one")
+        if self.no_python and not (shutil.which(self.entry) or os.path.isfile(self.entry)):
+            raise UsageError(f"program not found: {self.entry}")
+        if not self.module and not self.no_python and not os.path.isfile(self.entry):
             raise UsageError(f"script not found: {self.entry}")
         if self.module:
             self._check_module_importable()

@@ -10,13 +10,13 @@ import sys
 import tempfile
 import uuid
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shoal.errors import UsageError
-from shoal.launch.config import LaunchSpec
+from shoal.launch.config import AgentOptions, LaunchSpec
 from shoal.launch.hangwatch import HangWatch
 from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
@@ -24,7 +24,11 @@ from shoal.launch.ports import check_port_free
 from shoal.launch.restarts import RestartLog
 from shoal.launch.summary import report_failure
 from shoal.launch.worker_start import WorkerStart, worker_start
-from shoal.runtime.compat import cheap_rendezvous_event_names, has_shutdown_grace
+from shoal.runtime.compat import (
+    cheap_rendezvous_event_names,
+    has_shutdown_grace,
+    launch_config_fields,
+)
 
 SHUTDOWN_TIMEOUT_S = 60
 HANG_EXIT_CODE = 124  # as timeout(1)
@@ -116,27 +120,77 @@ def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = No
         rdzv_configs = {"rank": spec.node_rank}
         # Every node must name the same run, and each derives it from the same flags.
         run_id = f"shoal-{spec.master_addr}-{spec.master_port}"
-    # Before torch 2.12 the grace period before SIGKILL is torch's fixed 30 s.
+    agent = spec.agent
+    if spec.rdzv_endpoint or rdzv_backend == "c10d":
+        rdzv_configs = {**agent.rdzv_conf, **rdzv_configs}
+    # Settings only some torch releases have (shoal.runtime.compat), each given only when
+    # asked for; before torch 2.12 the grace period before SIGKILL is torch's fixed 30 s.
+    optional = {"shutdown_timeout": (agent.shutdown_timeout if agent.shutdown_timeout
+                                     is not None else SHUTDOWN_TIMEOUT_S)}
+    if agent.event_log_handler is not None:
+        optional["event_log_handler"] = agent.event_log_handler
+    if agent.duplicate_stdout_filters:
+        optional["duplicate_stdout_filters"] = list(agent.duplicate_stdout_filters)
+    if agent.duplicate_stderr_filters:
+        optional["duplicate_stderr_filters"] = list(agent.duplicate_stderr_filters)
+    if agent.virtual_local_rank:
+        optional["virtual_local_rank"] = True
+    if agent.numa_binding is not None:
+        optional["numa_options"] = numa_options(agent.numa_binding)
+    missing = sorted(set(optional) - launch_config_fields() - {"shutdown_timeout"})
+    if missing:
+        raise UsageError(f"this torch's launcher has no {', '.join(missing)}: drop "
+                         f"--{missing[0].replace('_', '-').replace('-options', '-binding')}")
+    if not has_shutdown_grace():
+        if agent.shutdown_timeout is not None:
+            raise UsageError("--shutdown-timeout: this torch's launcher waits its fixed 30 s")
+        del optional["shutdown_timeout"]
     return LaunchConfig(
         min_nodes=spec.min_nodes or spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc_per_node,
         run_id=run_id,
-        role="worker",
+        role=agent.role,
         rdzv_endpoint=endpoint,
         rdzv_backend=rdzv_backend,
         rdzv_configs=rdzv_configs,
         max_restarts=spec.max_restarts,
         monitor_interval=spec.monitor_interval,
         start_method=(start or worker_start(spec)).start_method,
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL),
+        logs_specs=logs_specs(agent, log_dir, spec.nproc_per_node),
         log_line_prefix_template="[rank${rank}]: ",
         # SIGUSR1 too (SLURM's warning before the end): the agent passes the signal on to
         # the workers, and gives them time to save a checkpoint before SIGKILL.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-        local_addr=address or (spec.master_addr if spec.nnodes == 1 else None),
-        **({"shutdown_timeout": SHUTDOWN_TIMEOUT_S} if has_shutdown_grace() else {}),
+        signals_to_handle=agent.signals_to_handle or "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        local_addr=agent.local_addr or address or (spec.master_addr if spec.nnodes == 1
+                                                   else None),
+        **optional,
     )
+
+
+def numa_options(binding: str):
+    """torch's NUMA binding for ``--numa-binding``."""
+    from torch.numa.binding import AffinityMode, NumaOptions
+
+    return NumaOptions(affinity_mode=AffinityMode(binding))
+
+
+def logs_specs(agent: AgentOptions, log_dir: str, nproc: int) -> LogsSpecs:
+    """Where each rank's output goes: always to its log files (the failure summary reads
+    them), and to the terminal unless ``--redirects`` keeps it out; a ``--logs-specs``
+    plugin of the entry point group torchrun.logs_specs in place of torch's default."""
+    cls: type[LogsSpecs] = DefaultLogsSpecs
+    if agent.logs_specs is not None:
+        from importlib import metadata
+
+        found = metadata.entry_points(group="torchrun.logs_specs").select(
+            name=agent.logs_specs)
+        if not found:
+            raise UsageError(f"--logs-specs {agent.logs_specs}: no such entry point in the "
+                             "group torchrun.logs_specs of the installed packages")
+        cls = next(iter(found)).load()
+    return cls(log_dir=log_dir, redirects=Std.ALL, tee=agent.shown_streams(nproc),
+               local_ranks_filter=agent.ranks_shown())
 
 
 def _new_log_dir(parent: str | None) -> str:

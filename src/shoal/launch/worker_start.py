@@ -15,6 +15,7 @@ Elsewhere, or with ``--no-preload``, each worker is a new process,
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ def worker_argv(spec: LaunchSpec) -> list[str]:
 def worker_start(spec: LaunchSpec) -> WorkerStart:
     """Forked from the preloaded server where there is one and ``spec.preload``, else a
     command."""
+    if spec.no_python:  # torchrun's --no-python: the program itself, without a bootstrap
+        return WorkerStart(shutil.which(spec.entry) or os.path.abspath(spec.entry),
+                           tuple(spec.args), "spawn")
     argv = worker_argv(spec)[2:]  # what shoal.launch.worker itself is given
     if spec.preload and start_method() == "forkserver":
         # Not at the top: `python -m shoal.launch.worker` imports this package first, and
