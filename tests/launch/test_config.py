@@ -15,7 +15,7 @@ def test_auto_is_one_process_per_gpu_or_core():
     expected = torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count()
     assert resolve_nproc("auto") == expected
     assert resolve_nproc("3") == 3
-    with pytest.raises(UsageError, match="whole number or 'auto'"):
+    with pytest.raises(UsageError, match="whole number, 'auto', 'cpu' or 'gpu'"):
         resolve_nproc("many")
 
 
