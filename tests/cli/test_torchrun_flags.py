@@ -99,13 +99,15 @@ def test_standalone_and_static_rendezvous(tmp_path):
 def test_the_shown_streams_follow_redirects_and_tee(tmp_path):
     from torch.distributed.elastic.multiprocessing import Std
 
-    _, ours = _configs(tmp_path, ["--nproc_per_node=2", "--redirects=3", "--tee=0:1",
-                                  "--local_ranks_filter=1"])
-    # Everything is logged (the failure summary reads the logs); rank 0 shows stdout only
-    # (redirected, teed back), rank 1 nothing; only rank 1's output is shown at all.
-    assert ours.logs_specs._redirects == Std.ALL
-    assert ours.logs_specs._tee == {0: Std.OUT, 1: Std.NONE}
-    assert ours.logs_specs._local_ranks_filter == {1}
+    script = tmp_path / "train.py"
+    script.write_text("")
+    args = _shoal_run_parser().parse_args(["--nproc_per_node=3", "--redirects=3", "--tee=0:1",
+                                           "--local_ranks_filter=0,2", str(script)])
+    spec = spec_from_args(args, args.entry, args.args, args.module)
+    # Everything is logged (the failure summary reads the logs); of what torchrun would
+    # show, rank 0 shows stdout (redirected, teed back), rank 2 nothing, rank 1 is filtered.
+    assert spec.agent.shown_streams(3) == {0: {"stdout"}, 1: set(), 2: set()}
+    assert build_launch_config(spec, str(tmp_path)).logs_specs._redirects == Std.ALL
 
 
 @pytest.mark.timeout(60)

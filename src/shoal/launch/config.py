@@ -88,9 +88,10 @@ class AgentOptions:
         if self.shutdown_timeout is not None and self.shutdown_timeout < 0:
             raise UsageError(f"--shutdown-timeout must be 0 or more, got {self.shutdown_timeout}")
 
-    def shown_streams(self, nproc: int):
-        """What each local rank shows on the terminal, as torch's ``tee`` (all that is not
-        redirected without being teed)."""
+    def shown_streams(self, nproc: int) -> dict[int, set[str]]:
+        """The streams ("stdout", "stderr") each local rank shows on the terminal: all but
+        those redirected without being teed, and none of a rank left out by
+        ``local_ranks_filter``."""
         from torch.distributed.elastic.multiprocessing import Std
 
         def per_rank(value):
@@ -98,11 +99,16 @@ class AgentOptions:
             return parsed if isinstance(parsed, dict) else dict.fromkeys(range(nproc), parsed)
 
         redirects, tee = per_rank(self.redirects), per_rank(self.tee)
-        return {rank: Std(Std.ALL.value & ~(redirects.get(rank, Std.NONE).value
-                                            & ~tee.get(rank, Std.NONE).value))
-                for rank in range(nproc)}
+        ranks = self.ranks_shown()
+        shown = {}
+        for rank in range(nproc):
+            hidden = redirects.get(rank, Std.NONE).value & ~tee.get(rank, Std.NONE).value
+            shown[rank] = {name for name, bit in (("stdout", Std.OUT), ("stderr", Std.ERR))
+                           if not hidden & bit.value and (ranks is None or rank in ranks)}
+        return shown
 
     def ranks_shown(self) -> set[int] | None:
+        """The local ranks ``local_ranks_filter`` shows; None: all."""
         if self.local_ranks_filter is None:
             return None
         return {int(rank) for rank in self.local_ranks_filter.split(",")}

@@ -20,6 +20,7 @@ from shoal.launch.config import AgentOptions, LaunchSpec
 from shoal.launch.hangwatch import HangWatch
 from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
+from shoal.launch.output import OutputRelay
 from shoal.launch.ports import check_port_free
 from shoal.launch.restarts import RestartLog
 from shoal.launch.summary import report_failure
@@ -179,7 +180,6 @@ def logs_specs(agent: AgentOptions, log_dir: str, nproc: int) -> LogsSpecs:
     """Where each rank's output goes: always to its log files (the failure summary reads
     them), and to the terminal unless ``--redirects`` keeps it out; a ``--logs-specs``
     plugin of the entry point group torchrun.logs_specs in place of torch's default."""
-    cls: type[LogsSpecs] = DefaultLogsSpecs
     if agent.logs_specs is not None:
         from importlib import metadata
 
@@ -188,9 +188,22 @@ def logs_specs(agent: AgentOptions, log_dir: str, nproc: int) -> LogsSpecs:
         if not found:
             raise UsageError(f"--logs-specs {agent.logs_specs}: no such entry point in the "
                              "group torchrun.logs_specs of the installed packages")
-        cls = next(iter(found)).load()
-    return cls(log_dir=log_dir, redirects=Std.ALL, tee=agent.shown_streams(nproc),
-               local_ranks_filter=agent.ranks_shown())
+        cls: type[LogsSpecs] = next(iter(found)).load()
+        return cls(log_dir=log_dir, redirects=Std.ALL, tee=agent.shown_streams(nproc),
+                   local_ranks_filter=agent.ranks_shown())
+    # Shown by shoal's OutputRelay, which keeps each rank's lines in the order written.
+    return DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.NONE)
+
+
+def start_output_relay(spec: LaunchSpec, log_dir: str) -> OutputRelay | None:
+    """Show the ranks' output, unless a --logs-specs plugin decides where it goes (torch's
+    agent shows it then)."""
+    if spec.agent.logs_specs is not None:
+        return None
+    streams = spec.agent.shown_streams(spec.nproc_per_node)
+    relay = OutputRelay(log_dir, streams.get, first_rank=spec.node_rank * spec.nproc_per_node)
+    relay.start()
+    return relay
 
 
 def _new_log_dir(parent: str | None) -> str:
@@ -271,13 +284,18 @@ def launch(spec: LaunchSpec) -> int:
         # torch checks every collective's fingerprint across ranks and names a mismatch.
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     watch = _start_hang_watch(spec, log_dir, nodes)
+    relay = start_output_relay(spec, log_dir)
     restarts = RestartLog(log_dir, spec.max_restarts, spec.node_rank * spec.nproc_per_node,
                           _shown_torch_level()).install()
     # Last, once every variable for the workers is set: forked workers get this environment.
     start = worker_start(spec)
     config = build_launch_config(spec, log_dir, nodes.address if nodes else None, start)
     try:
-        elastic_launch(config, start.entrypoint)(*start.args)
+        try:
+            elastic_launch(config, start.entrypoint)(*start.args)
+        finally:
+            if relay is not None:
+                relay.stop()  # every line shown before what the launcher says of the end
     except SignalException as exc:
         sys.stderr.write(f"shoal: stopped by {signal.Signals(exc.sigval).name}: the signal "
                          "went on to the workers (a Trainer with a checkpoint_dir saves "

@@ -170,8 +170,8 @@ def collect_failures(failed: ChildFailedError, log_dir: str, first_rank: int = 0
 def _worker_pid(folder: str) -> int:
     try:
         with open(os.path.join(folder, PID_FILE)) as f:
-            return int(f.read())
-    except (OSError, ValueError):
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
         return 0
 
 

@@ -83,12 +83,13 @@ def _shut_down(namespace: dict) -> None:
 
 
 def _leave_pid() -> None:
-    """This worker's pid beside its error file, for the launcher's failure summary."""
+    """This worker's pid and rank beside its error file, for the launcher's failure summary
+    and its output relay."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         try:
             with open(os.path.join(os.path.dirname(error_file), PID_FILE), "w") as f:
-                f.write(str(os.getpid()))
+                f.write(f"{os.getpid()} {os.environ.get('RANK', '')}")
         except OSError:
             pass  # the summary then names the rank without its pid
 

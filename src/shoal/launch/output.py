@@ -1,0 +1,132 @@
+"""Each rank's output on the launcher's terminal, line by line, in the order it was written.
+
+Every rank writes its stdout and stderr to its own two log files (the failure summary reads
+them). torch's elastic agent would show them by following each file in a thread of its
+own, so that a rank's stderr line could be shown ahead of a stdout line it wrote before.
+``OutputRelay`` follows both files of every rank in one thread, every 20 ms; when both of a
+rank's files grew since the last look, the one last written earlier is shown first (exact
+when each got one line, as when a rank prints and then fails). Each line gets its rank's
+prefix (``[rank3]: ``) and goes to the launcher's stream of the same name; a line still
+without its end is held until it ends or the workers do.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import TextIO
+
+from shoal.launch.frames import PID_FILE
+
+_INTERVAL_S = 0.02
+_STREAMS = ("stdout", "stderr")
+
+
+class _File:
+    """One log file, read from where the last look stopped."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def read(self) -> tuple[bytes, int]:
+        """New whole lines, and the time the file was last written (ns)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+                mtime = os.fstat(f.fileno()).st_mtime_ns
+        except OSError:
+            return b"", 0
+        self.offset += len(data)
+        data = self.partial + data
+        end = data.rfind(b"\n") + 1
+        self.partial = data[end:]
+        return data[:end], mtime
+
+    def rest(self) -> bytes:
+        """What is left at the end, the last line without its end included."""
+        lines, _ = self.read()
+        rest, self.partial = lines + self.partial, b""
+        return rest + (b"\n" if rest and not rest.endswith(b"\n") else b"")
+
+
+class OutputRelay(threading.Thread):
+    """Shows the lines of every rank of the newest attempt under ``log_dir``.
+
+    ``shown(local_rank)`` says which streams of a rank are shown ("stdout", "stderr"), and
+    ``first_rank`` is this node's first global rank (a worker names its own rank in the file
+    beside its error file, which wins: under c10d rendezvous ranks are set when nodes meet).
+    """
+
+    def __init__(self, log_dir: str, shown: Callable[[int], set[str] | None],
+                 first_rank: int = 0,
+                 out: TextIO | None = None, err: TextIO | None = None):
+        super().__init__(name="shoal-output", daemon=True)
+        self.log_dir, self.shown, self.first_rank = log_dir, shown, first_rank
+        self.dest = {"stdout": out or sys.stdout, "stderr": err or sys.stderr}
+        self._attempt: str | None = None
+        self._files: dict[tuple[int, str], _File] = {}
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(_INTERVAL_S):
+            self._look()
+
+    def stop(self) -> None:
+        """Show everything left, and stop."""
+        self._halt.set()
+        self.join(timeout=5)
+        self._look(final=True)
+
+    def _look(self, final: bool = False) -> None:
+        attempts = glob.glob(os.path.join(self.log_dir, "*", "attempt_*"))
+        newest = max(attempts, key=lambda p: int(p.rsplit("_", 1)[1]), default=None)
+        if newest != self._attempt:
+            self._relay(last=True)  # the attempt before: all of it first
+            self._attempt, self._files = newest, {}
+        if newest is None:
+            return
+        for folder in glob.glob(os.path.join(newest, "*")):
+            name = os.path.basename(folder)
+            if not name.isdigit():
+                continue
+            for stream in self.shown(int(name)) or ():
+                key = (int(name), stream)
+                if key not in self._files:
+                    self._files[key] = _File(os.path.join(folder, f"{stream}.log"))
+        self._relay(last=final)
+
+    def _rank(self, local_rank: int) -> int:
+        folder = os.path.join(self._attempt or "", str(local_rank))
+        try:
+            with open(os.path.join(folder, PID_FILE)) as f:
+                return int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            return self.first_rank + local_rank
+
+    def _relay(self, last: bool) -> None:
+        ranks = sorted({rank for rank, _ in self._files})
+        for local_rank in ranks:
+            chunks = []
+            for stream in _STREAMS:
+                file = self._files.get((local_rank, stream))
+                if file is None:
+                    continue
+                if last:
+                    chunks.append((0, stream, file.rest()))
+                else:
+                    data, mtime = file.read()
+                    chunks.append((mtime, stream, data))
+            chunks = [chunk for chunk in chunks if chunk[2]]
+            if not chunks:
+                continue
+            prefix = f"[rank{self._rank(local_rank)}]: "
+            # Both grew: the one written last earlier first (stdout first on a tie).
+            for _, stream, data in sorted(chunks, key=lambda c: (c[0], c[1] == "stderr")):
+                text = data.decode(errors="replace")
+                dest = self.dest[stream]
+                dest.write("".join(prefix + line for line in text.splitlines(keepends=True)))
+                dest.flush()

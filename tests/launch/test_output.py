@@ -1,0 +1,91 @@
+"""What a rank prints and how its end is told: paths as under `python`, a rank prefix on
+every line, whole summary lines, a message-less exception told by where it was raised, a
+real pid."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.helpers import REPO, run_shoal
+
+SCRIPT = textwrap.dedent("""\
+    import os, sys
+    mode, rank = sys.argv[1], os.environ["RANK"]
+    print(f"rank {rank} runs {__file__}")
+    if rank == "1":
+        if mode == "long":
+            raise RuntimeError("a message longer than a line: " + "word " * 60 + "end")
+        if mode == "message":
+            sys.exit("the script gave up")
+        if mode == "assert":
+            x = 1
+            assert x == 2
+""")
+
+
+@pytest.fixture
+def script(tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    return tmp_path
+
+
+@pytest.mark.timeout(120)
+def test_paths_are_absolute_and_summary_lines_whole(script):
+    # Started by a relative path, as `python job.py` would be.
+    out = run_shoal("run", "--nproc-per-node", "2", "job.py", "long", cwd=str(script))
+    assert out.returncode == 1, out.stderr
+    assert f"[rank0]: rank 0 runs {script}/job.py" in out.stdout
+    assert f'[rank1]:   File "{script}/job.py", line 6, in <module>' in out.stderr
+    first = next(line for line in out.stderr.splitlines() if "failed first" in line)
+    assert first.startswith("shoal: rank 1 failed first (raised RuntimeError: a message "
+                            "longer than a line: word")
+    assert re.search(r"word end; local rank 1, pid [1-9]\d*\)$", first), first
+
+
+@pytest.mark.timeout(120)
+def test_a_sys_exit_message_is_the_rank_s_own_line(script):
+    out = run_shoal("run", "--nproc-per-node", "2", "job.py", "message", cwd=str(script))
+    assert out.returncode == 1, out.stderr
+    assert "[rank1]: the script gave up\n" in out.stderr
+    assert "\nthe script gave up" not in out.stderr  # no line without its rank
+    assert "shoal: rank 1 failed first (exit code 1 (sys.exit: the script gave up)" \
+        in out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_assert_without_message_says_where(script):
+    out = run_shoal("run", "--nproc-per-node", "2", "job.py", "assert", cwd=str(script))
+    assert out.returncode == 1, out.stderr
+    assert re.search(rf"shoal: rank 1 failed first \(raised AssertionError at {script}/job.py:"
+                     r"11: assert x == 2; local rank 1, pid [1-9]\d*\)", out.stderr), out.stderr
+
+
+ALTERNATING = textwrap.dedent("""\
+    import sys, time
+    for i in range(6):
+        print(f"line {i} to stdout")
+        time.sleep(0.03)
+        print(f"line {i} to stderr", file=sys.stderr)
+        time.sleep(0.03)
+    print("no line end at the last", end="")
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_s_stdout_and_stderr_come_in_the_order_written(tmp_path):
+    script = tmp_path / "alternate.py"
+    script.write_text(ALTERNATING)
+    out = subprocess.run([sys.executable, "-m", "shoal", "run", "--nproc-per-node", "1",
+                          str(script)], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=100,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[rank0]: ")]
+    assert lines == [f"[rank0]: line {i} to {stream}" for i in range(6)
+                     for stream in ("stdout", "stderr")] + ["[rank0]: no line end at the last"]
