@@ -34,7 +34,7 @@ def test_replica_groups_choose_live_mode_and_the_flags_win():
                            FaultToleranceConfig(step_timeout_s=5))
     assert (config.mode, config.replica_groups, config.policy, config.step_timeout_s) == (
         "live", 3, "available", 5)
-    assert not live_settings(_flags()).live  # today's restart stays the default
+    assert live_settings(_flags()) is None  # today's restart stays the default
 
 
 def test_a_trainer_sets_what_only_the_workers_read():

@@ -33,7 +33,7 @@ def test_ft_mode_live_on_two_nodes_is_one_group_per_node():
     assert _spec("--nnodes", "2", "--node-rank", "0", "--master-port", "29500",
                  "--ft-mode", "live", "--replica-groups", "3").replica_groups == 3
     assert not _spec("--nnodes", "2", "--master-port", "1", "--node-rank", "0"
-                     ).fault_tolerance.live
+                     ).live
 
 
 @pytest.mark.parametrize("flags, message", [

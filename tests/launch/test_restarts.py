@@ -67,11 +67,16 @@ def test_a_restarted_trainer_writes_the_failure_to_its_events(tmp_path):
     assert all(e["pid"] > 0 for e in failures)
 
 
-def _server_of(launcher: psutil.Process) -> psutil.Process:
-    servers = [p for p in launcher.children()
-               if " ".join(p.cmdline()).startswith("shoal forkserver")]
-    assert len(servers) == 1, [p.cmdline() for p in launcher.children()]
-    return servers[0]
+def _server_with_workers(launcher: psutil.Process) -> psutil.Process | None:
+    """The launcher's workers' server, once the workers of a restart are forked from it."""
+    for child in launcher.children():
+        try:
+            if " ".join(child.cmdline()).startswith("shoal forkserver") and any(
+                    "shoal.launch.worker" in " ".join(c.cmdline()) for c in child.children()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    return None
 
 
 @pytest.mark.timeout(170)
@@ -82,14 +87,19 @@ def test_a_killed_workers_server_is_replaced_and_the_run_goes_on_bitwise(tmp_pat
     out = run_shoal("run", "--nproc-per-node", "2", JOB, str(straight), "--steps", "12",
                     "--no-checkpoints")
     assert out.returncode == 0, out.stderr
+    # The first attempt's workers are new processes; rank 1 kills itself after step 4, and
+    # the second attempt's are forked from the server, which is then killed with them.
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", "--max-restarts", "1",
-         JOB, str(killed), "--steps", "12", "--every", "2", "--step-sleep", "0.3"],
+        [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", "--max-restarts", "2",
+         JOB, str(killed), "--steps", "12", "--every", "2", "--step-sleep", "0.3",
+         "--kills", json.dumps([[1, 4, "step"]])],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 90  # a hang guard: the job is in full swing within ~10 s
-    while not (killed / "ready").exists() and time.time() < deadline:
+    deadline = time.time() + 90  # a hang guard: the restart comes within ~15 s
+    server = None
+    while server is None and launcher.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    server = _server_of(psutil.Process(launcher.pid))
+        server = _server_with_workers(psutil.Process(launcher.pid))
+    assert server is not None, "no worker was forked"
     # It says what it is: a worker's name does not find it.
     assert server.pid not in {p.pid for p in processes_with("shoal.launch.worker")}
     server.send_signal(signal.SIGKILL)

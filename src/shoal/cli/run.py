@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from shoal.cli.torchrun import (
     add_script_arguments,
@@ -16,9 +17,11 @@ from shoal.cli.torchrun import (
 )
 from shoal.clusters.detect import ClusterEnv, detect
 from shoal.errors import UsageError
-from shoal.ft import FaultToleranceConfig
 from shoal.launch import LaunchSpec, launch
 from shoal.launch.config import resolve_nproc
+
+if TYPE_CHECKING:
+    from shoal.ft import FaultToleranceConfig
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,10 +175,19 @@ def _given(*values):
     return next(value for value in values if value is not None)
 
 
+_LIVE_FLAGS = ("ft_mode", "replica_groups", "ft_policy", "lighthouse", "ft_step_timeout",
+               "ft_replacement_timeout")
+
+
 def live_settings(args: argparse.Namespace, base: FaultToleranceConfig | None = None,
-                  nnodes: int = 1) -> FaultToleranceConfig:
+                  nnodes: int = 1) -> FaultToleranceConfig | None:
     """The run's fault tolerance: a config's ``fault_tolerance`` section, overridden by the
-    live-mode flags (``--ft-mode`` or ``--replica-groups`` chooses live mode)."""
+    live-mode flags (``--ft-mode`` or ``--replica-groups`` chooses live mode); None where
+    neither says anything (restarts, without loading live mode's settings)."""
+    if base is None and all(getattr(args, name) is None for name in _LIVE_FLAGS):
+        return None
+    from shoal.ft import FaultToleranceConfig
+
     base = base or FaultToleranceConfig()
     update: dict = {}
     if args.ft_mode == "restart" and args.replica_groups is not None:
@@ -234,9 +246,10 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
         monitor_interval=_given(args.monitor_interval, 0.1),
         log_dir=args.log_dir,
         hang_timeout=_given(args.hang_timeout,
-                            live.default_hang_timeout_s if live.live else 600.0) or None,
+                            live.default_hang_timeout_s if live and live.live else 600.0)
+        or None,
         debug=args.debug,
-        replica_groups=live.replica_groups or 1 if live.live else 1,
+        replica_groups=live.replica_groups or 1 if live and live.live else 1,
         fault_tolerance=live,
         preload=args.preload,
         no_python=getattr(args, "no_python", False),

@@ -68,7 +68,7 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
     spec = spec_from_args(args, entry, [], module=True,
                           nproc_default=config.run.nproc_per_node, cluster=cluster,
                           fault_tolerance=None if rl else config.trainer.fault_tolerance)
-    if rl and spec.fault_tolerance.live:
+    if rl and spec.live:
         raise UsageError("live mode (--replica-groups) trains Trainer runs; an rl: run "
                          "recovers by restart (--max-restarts)")
     # Where the scheduler started every worker (srun -n 8, mpirun), this process is one rank.
@@ -103,7 +103,7 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
     resolved = save_run_config(config) if first else None
     metrics_dir = metrics.dir or config.run.dir
     with serve_during(args, metrics_dir if first else None):
-        if spec.world_size == 1 and not in_place and not spec.fault_tolerance.live:
+        if spec.world_size == 1 and not in_place and not spec.live:
             announce(spec, cluster)
             importlib.import_module(entry).train_from_config(config)
             return 0
@@ -131,8 +131,7 @@ def _resume_on_restart(config: Any, spec: Any, rl: bool, first: bool) -> list[st
     if section.resume is not None:
         return []
     if section.checkpoint_dir is None:
-        live = getattr(spec, "fault_tolerance", None)
-        if first and not (live and live.live):  # live: a restarted group heals instead
+        if first and not getattr(spec, "live", False):  # live: a restarted group heals instead
             print(f"shoal: warning: {why} without {name}.checkpoint_dir: a restarted worker "
                   f"starts the run over from step 0 (set {name}.checkpoint_dir and "
                   f"{name}.checkpoint_every to continue instead)", file=sys.stderr, flush=True)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shoal.errors import UsageError
-from shoal.ft import FaultToleranceConfig
+
+if TYPE_CHECKING:  # imported where live mode is used: the launcher's start does without it
+    from shoal.ft import FaultToleranceConfig
 
 
 def resolve_nproc(value: int | str) -> int:
@@ -160,8 +163,9 @@ class LaunchSpec:
     replica_groups: int = 1
     """Live mode: this many replica groups on this node, each its own agent and workers
     (``nproc_per_node`` each) and its own restarts (the job has ``nnodes`` times as many)."""
-    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    """Restart (default) or live recovery, and live mode's policy and timeouts."""
+    fault_tolerance: FaultToleranceConfig | None = None
+    """Live recovery's settings (policy, timeouts); None: restarts (the default), as
+    ``mode: restart``."""
     preload: bool = True
     """Fork the workers from a server that has imported torch once (Linux), so that a
     restarted worker starts in a fraction of a second; False: each worker is a new
@@ -200,7 +204,7 @@ class LaunchSpec:
             raise UsageError(f"--hang-timeout must be positive, got {self.hang_timeout}")
         if self.replica_groups < 1:
             raise UsageError(f"--replica-groups must be at least 1, got {self.replica_groups}")
-        if self.fault_tolerance.live and (self.elastic or self.min_nodes is not None):
+        if self.live and (self.elastic or self.min_nodes is not None):
             raise UsageError("live mode across nodes runs one replica group per node, which "
                              "come and go by themselves: give --nnodes N with --node-rank, "
                              "--master-addr and --master-port, not --rdzv-endpoint or "
@@ -224,6 +228,11 @@ class LaunchSpec:
             raise UsageError("--rdzv-endpoint needs --rdzv-id JOB (the same on every node)")
         if self.rdzv_last_call < 0:
             raise UsageError(f"--rdzv-last-call must be 0 or more, got {self.rdzv_last_call}")
+
+    @property
+    def live(self) -> bool:
+        """Live recovery: replica groups instead of restarts of every worker."""
+        return self.fault_tolerance is not None and self.fault_tolerance.live
 
     @property
     def elastic(self) -> bool:

@@ -1,10 +1,14 @@
 """What torch's elastic agent is taught about the workers it forks from shoal's preloaded
-server (shoal.launch.worker_start), so that they end as workers started as commands do.
+server (shoal.launch.worker_start), so that they end as workers started as commands do, and
+start no later than torchrun's.
 
-Two changes to ``MultiprocessContext``, the part of elastic that runs workers as functions,
-each made only where the torch in use has what it reads (else left as it is):
+Each change is made only where the torch in use has what it reads (else it is left as it
+is):
 
-- a worker that ends with status 0 (``os._exit(0)``) has finished, as a command has;
+- the first attempt's workers start as commands (``first_attempt_as``), as torchrun starts
+  them, so that nothing waits for a server to import torch; the server is started a few
+  seconds later, in the background, for the restarts;
+- a forked worker that ends with status 0 (``os._exit(0)``) has finished, as a command has;
 - a server that has ended (SIGKILLed, the OOM killer, ``pkill``) is replaced when the next
   attempt's workers start, and the launcher says so in one line.
 """
@@ -12,19 +16,69 @@ each made only where the torch in use has what it reads (else left as it is):
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from typing import Any
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
-from shoal.launch.forkserver import forget_ended_server
+from shoal.launch.forkserver import forget_ended_server, start_server
 
 _SERVER_EXIT_WAIT_S = 5.0  # a server that broke off a start is dying: it ends within this
+# The server is started this long after the first workers, so that its imports do not slow
+# theirs; a restart before then starts it at once.
+SERVER_DELAY_S = 5.0
+_first: Any = None  # shoal.launch.worker_start.WorkerStart of the next job's first attempt
+_timers: list[threading.Timer] = []
 
 
 def teach_elastic_forked_workers() -> None:
-    """Make both changes (once per process)."""
+    """Make the changes (once per process)."""
     _count_a_clean_exit_as_finished()
     _replace_an_ended_server()
+    _start_the_first_attempt_apart()
+
+
+def first_attempt_as(start: Any) -> None:
+    """The next job's first attempt starts its workers as ``start`` says (a WorkerStart
+    of commands); every later attempt forks them."""
+    global _first
+    _first = start
+
+
+def cancel_server_start() -> None:
+    """The job has ended: a server not started yet is not needed."""
+    while _timers:
+        _timers.pop().cancel()
+
+
+def _start_the_first_attempt_apart() -> bool:
+    original = LocalElasticAgent._start_workers
+    if getattr(original, "_shoal", False):
+        return True
+
+    def _start_workers(self, worker_group):
+        global _first
+        first, spec = _first, worker_group.spec
+        if first is None or getattr(self, "_shoal_started", False) or \
+                not hasattr(spec, "entrypoint") or not callable(spec.entrypoint):
+            return original(self, worker_group)
+        self._shoal_started, _first = True, None
+        forked = spec.entrypoint, spec.args
+        spec.entrypoint, spec.args = first.entrypoint, first.args
+        try:
+            return original(self, worker_group)
+        finally:
+            spec.entrypoint, spec.args = forked
+            timer = threading.Timer(SERVER_DELAY_S, start_server)
+            timer.daemon = True
+            timer.start()
+            _timers.append(timer)
+
+    _start_workers._shoal = True  # type: ignore[attr-defined]
+    LocalElasticAgent._start_workers = _start_workers
+    return True
 
 
 def _count_a_clean_exit_as_finished() -> bool:

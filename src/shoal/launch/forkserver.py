@@ -50,6 +50,14 @@ def start_method() -> str:
     return "forkserver"
 
 
+def start_server() -> None:
+    """Start the server now (it imports ``PRELOAD`` in the background), unless it runs."""
+    from multiprocessing import forkserver
+
+    start_method()
+    forkserver.ensure_running()
+
+
 def forget_ended_server() -> tuple[int, str] | None:
     """If the server this process started has ended, forget it, so that the next process
     started makes a new one; its pid and how it ended ("was killed by SIGKILL"), else None.

@@ -17,6 +17,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shoal.errors import UsageError
 from shoal.launch.config import AgentOptions, LaunchSpec
+from shoal.launch.forked import cancel_server_start, first_attempt_as
 from shoal.launch.hangwatch import HangWatch
 from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
@@ -29,6 +30,7 @@ from shoal.runtime.compat import (
     cheap_rendezvous_event_names,
     has_shutdown_grace,
     launch_config_fields,
+    rendezvous_join_delay,
 )
 
 SHUTDOWN_TIMEOUT_S = 60
@@ -259,11 +261,11 @@ def quiet_torch_logs() -> None:
 
 def launch(spec: LaunchSpec) -> int:
     """Run the job described by ``spec``; return the launcher's exit code."""
-    if spec.fault_tolerance.live and spec.nnodes > 1:
+    if spec.live and spec.nnodes > 1:
         from shoal.launch.live_nodes import launch_live_nodes
 
         return launch_live_nodes(spec)
-    if spec.fault_tolerance.live:
+    if spec.live:
         from shoal.launch.groups import launch_groups
 
         return launch_groups(spec)
@@ -277,6 +279,7 @@ def launch(spec: LaunchSpec) -> int:
     quiet_torch_logs()
     fresh_store_per_attempt(second_round_possible(spec))
     cheap_rendezvous_event_names()
+    rendezvous_join_delay(spec.nnodes > 1 or spec.elastic)
     # A folder of its own for every launch, also inside a reused --log-dir, so that the
     # failure summary never reads an older job's error files.
     log_dir = _new_log_dir(spec.log_dir)
@@ -290,6 +293,8 @@ def launch(spec: LaunchSpec) -> int:
     # Last, once every variable for the workers is set: forked workers get this environment.
     start = worker_start(spec)
     config = build_launch_config(spec, log_dir, nodes.address if nodes else None, start)
+    if start.first is not None:
+        first_attempt_as(start.first)
     try:
         try:
             elastic_launch(config, start.entrypoint)(*start.args)
@@ -312,6 +317,7 @@ def launch(spec: LaunchSpec) -> int:
         return report_failure(failed, log_dir, first_rank=spec.node_rank * spec.nproc_per_node,
                               nodes=nodes.known() if nodes else (), earlier=restarts.attempts)
     finally:
+        cancel_server_start()
         restarts.uninstall()
         for thread in (watch, nodes):
             if thread is not None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import faulthandler
 import gc
+import json
 import os
 import runpy
 import signal
@@ -94,6 +96,32 @@ def _leave_pid() -> None:
             pass  # the summary then names the rank without its pid
 
 
+def _record(exc: BaseException) -> None:
+    """Write ``exc`` to the error file the launcher's failure summary reads.
+
+    With torch imported (a forked worker, or a script that imported it), torch's own
+    ErrorHandler writes it. A script that never imported torch is not made to pay for that
+    import (over a second) to report its failure: the same record is written here, in the
+    layout ErrorHandler writes and torch's launcher reads.
+    """
+    if "torch" in sys.modules:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+        return
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass  # the launcher then tells the failure by the exit status
+
+
 def exit_status(exc: SystemExit) -> int:
     """The status ``python`` exits with for ``exc``, printing a non-number code as it does:
     None is 0, a number is itself, anything else is printed to stderr and is 1."""
@@ -128,23 +156,22 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
 
     heartbeat.enable_from_environment()
     _leave_pid()
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
-
+    # What torch's record() does first: a crash in C code prints every thread's stack.
+    faulthandler.enable(all_threads=True)
     status = 0
     try:
-        # record() writes the error file that the launcher's failure summary reads.
-        # record() turns sys.exit(0) into None: nothing left to shut down then but the group.
-        namespace = record(_run)(argv) or {}
+        namespace = _run(argv)
     except SystemExit as exc:
         # sys.exit(), exit(), raise SystemExit: the script ends as python ends it.
         status = exit_status(exc)
         if status != 0:
             # Recorded so the launcher knows this rank chose to exit, even if it is stopped
             # while still shutting down (its exit code would then read as SIGTERM).
-            ErrorHandler().record_exception(exc)
+            _record(exc)
         exc.__traceback__ = None  # its frames hold the script's globals
         namespace = {}
     except BaseException as exc:
+        _record(exc)
         # Printed here rather than by sys.excepthook: torch's hook would add a second rank
         # prefix to lines the launcher already prefixes.
         traceback.print_exception(type(exc), exc, _user_traceback(exc.__traceback__))

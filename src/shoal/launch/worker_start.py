@@ -1,12 +1,15 @@
 """How the elastic agent starts a worker of `shoal run`: forked, or as a new command.
 
-On Linux each worker is forked from a server process that has imported torch and
-torch._dynamo (every optimizer imports it) once (shoal.launch.forkserver), which lives as
-long as the launcher: a worker restarted after a failure (``--max-restarts``) starts in a
-fraction of a second instead of importing torch again. It gets the launcher's environment as
-it was when the job started, with what torch.distributed.elastic sets for it on top, and the
-launcher's working directory, as a worker started as a command does. Settings that torch
-reads once when it is imported stay as they were when the server started.
+The first attempt's workers start as new processes, as torchrun starts them: a script's
+first line runs as soon as under torchrun. On Linux, every later attempt's workers are
+forked from a server process that has imported torch and torch._dynamo (every optimizer
+imports it) once (shoal.launch.forkserver), which is started a few seconds into the job (or
+at the first restart) and lives as long as the launcher: a worker restarted after a failure
+(``--max-restarts``) starts in a fraction of a second instead of importing torch again.
+It gets the launcher's environment as it was when the job started, with what
+torch.distributed.elastic sets for it on top, and the launcher's working directory, as a
+worker started as a command does. Settings that torch reads once when it is imported stay
+as they were when the server started.
 
 Elsewhere, or with ``--no-preload``, each worker is a new process,
 ``python -m shoal.launch.worker [-m] ENTRY ARGS...``.
@@ -35,6 +38,9 @@ class WorkerStart:
     """The command's arguments, or the function's."""
     start_method: str
     """How a function's process is started ("forkserver" or "spawn"); unused for a command."""
+    first: WorkerStart | None = None
+    """How the first attempt's workers start, where it differs (commands, before any
+    server has imported torch); None: as every other attempt's."""
 
 
 def worker_argv(spec: LaunchSpec) -> list[str]:
@@ -61,5 +67,6 @@ def worker_start(spec: LaunchSpec) -> WorkerStart:
         # The arguments one by one, so that elastic substitutes ${local_rank} in them as it
         # does in a command's.
         return WorkerStart(in_callers_environment,
-                           (dict(os.environ), run_forked, os.getcwd(), *argv), "forkserver")
+                           (dict(os.environ), run_forked, os.getcwd(), *argv), "forkserver",
+                           first=WorkerStart(sys.executable, tuple(worker_argv(spec)), "spawn"))
     return WorkerStart(sys.executable, tuple(worker_argv(spec)), "spawn")

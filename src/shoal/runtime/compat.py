@@ -77,3 +77,27 @@ def cheap_rendezvous_event_names() -> bool:
     get_method_name._shoal = True  # type: ignore[attr-defined]
     dynamic_rendezvous.get_method_name = get_method_name
     return True
+
+
+def rendezvous_join_delay(wanted: bool) -> bool:
+    """Whether torch's c10d rendezvous waits its random 0 to 0.3 s before a node's first
+    join (``dynamic_rendezvous._delay``, every torch release shoal supports), which spreads
+    many nodes' joins over time. A job of one node has nothing to spread: shoal turns it off
+    there, where it would only delay the start. Returns whether the helper was found."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    current = getattr(dynamic_rendezvous, "_delay", None)
+    if current is None:
+        return False
+    original = getattr(current, "_shoal_original", current)
+    if wanted:
+        dynamic_rendezvous._delay = original
+        return True
+
+    def _delay(seconds) -> None:
+        if not isinstance(seconds, tuple):  # a fixed wait between retries stays
+            original(seconds)
+
+    _delay._shoal_original = original  # type: ignore[attr-defined]
+    dynamic_rendezvous._delay = _delay
+    return True
