@@ -137,15 +137,18 @@ def test_an_unknown_flag_gets_the_nearest_one(typed, meant):
 
 @pytest.mark.timeout(60)
 def test_pet_variables_stand_for_flags(monkeypatch):
-    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
     monkeypatch.setenv("PET_MAX_RESTARTS", "2")
-    monkeypatch.setenv("PET_STANDALONE", "1")
+    monkeypatch.setenv("PET_ROLE", "trainer")
+    monkeypatch.setenv("PET_RUN_PATH", "1")
     args = _shoal_run_parser().parse_args(["train.py"])
-    assert (args.nproc_per_node, args.max_restarts, args.standalone) == ("3", 2, True)
     theirs = get_args_parser().parse_args(["train.py"])
-    assert (theirs.nproc_per_node, theirs.max_restarts, theirs.standalone) == ("3", 2, True)
+    for ns in (args, theirs):
+        assert (ns.max_restarts, ns.role, ns.run_path) == (2, "trainer", True)
     # A flag still wins.
-    assert _shoal_run_parser().parse_args(["--nproc_per_node=1", "x.py"]).nproc_per_node == "1"
+    assert _shoal_run_parser().parse_args(["--max_restarts=1", "x.py"]).max_restarts == 1
+    # The job's shape is the scheduler detection's (Kubeflow's PyTorchJob), not a default.
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    assert _shoal_run_parser().parse_args(["train.py"]).nproc_per_node is None
 
 
 @pytest.mark.timeout(60)

@@ -4,7 +4,8 @@ A command line written for torchrun runs unchanged: each flag in both of torchru
 spellings (``--nproc-per-node`` and ``--nproc_per_node``), torchrun's flags that shoal has
 no other name for (``--standalone``, ``--rdzv-backend``, ``--rdzv-conf``, ``--role``,
 ``--tee``, ...), each with torchrun's meaning, and the ``PET_*`` environment variables that
-stand for flags (``PET_NPROC_PER_NODE``, as Kubeflow's PyTorchJob sets them). What shoal
+stand for flags (``PET_MAX_RESTARTS``; those of the job's shape, ``PET_NNODES`` and the
+rest that Kubeflow's PyTorchJob sets, are read by the scheduler detection). What shoal
 does not support is refused in one line that says what to use instead.
 """
 
@@ -94,10 +95,17 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
          help="as under torchrun, run the script with runpy.run_path: what shoal does anyway")
 
 
+# Read by shoal's scheduler detection instead (shoal.clusters.detect: Kubeflow's PyTorchJob
+# sets them), with its checks and its one line about what it found.
+_DETECTED = frozenset({"nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port",
+                       "rdzv_endpoint", "rdzv_id", "rdzv_backend", "rdzv_conf", "standalone"})
+
+
 def pet_defaults(parser: argparse.ArgumentParser) -> None:
-    """Defaults from torchrun's ``PET_<FLAG>`` variables (``PET_NPROC_PER_NODE=4``)."""
+    """Defaults from torchrun's ``PET_<FLAG>`` variables (``PET_MAX_RESTARTS=3``); those of
+    the job's shape and rendezvous are the scheduler detection's."""
     for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "preload"):
+        if not action.option_strings or action.dest in _DETECTED | {"help", "preload"}:
             continue
         value = os.environ.get(f"PET_{action.dest.upper()}")
         if value is None:
