@@ -9,9 +9,12 @@ compiler modules unless it uses them.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
 from shoal.version import __version__ as __version__
+
+# typing is not imported: a worker of `shoal run` imports this package before the user's
+# script, and pays for every import here.
+TYPE_CHECKING = False
 
 _LAZY = {
     "all_gather": "shoal.runtime.collectives",
@@ -42,7 +45,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'shoal' has no attribute {name!r}")

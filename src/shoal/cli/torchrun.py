@@ -63,6 +63,13 @@ def add_torchrun_arguments(parser: argparse.ArgumentParser) -> None:
          help=f"streams only written to the per-rank logs, not shown: {_STREAMS}")
     flag(group, "--tee", "-t", default=None, metavar="STREAMS",
          help=f"streams shown as well as logged (shoal shows both by default): {_STREAMS}")
+    flag(group, "--log-line-prefix-template", default=None, metavar="TEMPLATE",
+         help="the prefix of each shown line, with ${rank}, ${local_rank}, ${role_name} and "
+         "${hostname} substituted (default '[rank${rank}]: '; also "
+         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)")
+    flag(group, "--print-completion", default=None, metavar="SHELL",
+         help="not supported: shoal prints no shell completion script (torchrun's needs the "
+         "shtab package)")
     flag(group, "--local-ranks-filter", default=None, metavar="0,1,...",
          help="show only these local ranks' output (the others' still go to the logs)")
     flag(group, "--duplicate-stdout-filters", type=_comma_list, default=None,
@@ -131,6 +138,9 @@ def _parse_conf(text: str | None) -> dict[str, str]:
 def apply_torchrun_rendezvous(args: argparse.Namespace) -> None:
     """Turn ``--standalone``, ``--rdzv-backend`` and ``--rdzv-conf`` into shoal's own
     rendezvous flags, as torchrun reads them."""
+    if getattr(args, "print_completion", None) is not None:
+        raise UsageError("--print-completion: shoal prints no shell completion script; "
+                         "`shoal run --help` lists every flag")
     if getattr(args, "standalone", False):
         if args.nnodes not in (None, "1", "1:1"):
             raise UsageError(f"--standalone runs on one node, not --nnodes {args.nnodes}")
@@ -171,6 +181,8 @@ def agent_options(args: argparse.Namespace) -> AgentOptions:
         redirects=get("redirects", "0"),
         tee=get("tee", "0"),
         local_ranks_filter=get("local_ranks_filter"),
+        log_line_prefix_template=get("log_line_prefix_template") or os.environ.get(
+            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or "[rank${rank}]: ",
         duplicate_stdout_filters=tuple(get("duplicate_stdout_filters", ())),
         duplicate_stderr_filters=tuple(get("duplicate_stderr_filters", ())),
         local_addr=get("local_addr"),

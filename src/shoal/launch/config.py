@@ -56,6 +56,9 @@ class AgentOptions:
     """torchrun's ``--tee``: streams shown as well; shoal shows all but ``redirects``'."""
     local_ranks_filter: str | None = None
     """Show only these local ranks' output (``0,2``); None: all."""
+    log_line_prefix_template: str = "[rank${rank}]: "
+    """The prefix of each shown line: ${rank}, ${local_rank}, ${role_name} and ${hostname}
+    are substituted per worker."""
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     """Lines holding one of these are also copied to a file of their own (torch 2.13 on)."""

@@ -21,6 +21,7 @@ from shoal.ft import FaultToleranceConfig, ReplicaPlace
 from shoal.ft.lighthouse import Lighthouse, answers, start_lighthouse
 from shoal.launch.config import LaunchSpec
 from shoal.launch.ports import free_port
+from shoal.launch.worker_start import FORK_FIRST_ENV
 
 _HOST = "127.0.0.1"
 
@@ -125,7 +126,7 @@ class _GroupJob:
         g = self.groups
         self.children = [
             subprocess.Popen(_group_command(self.spec, group, g.host), env={
-                **os.environ,
+                **os.environ, FORK_FIRST_ENV: "1",
                 **ReplicaPlace(group, g.total, self.address, self.config, g.host).environ()})
             for group in g.indices]
 

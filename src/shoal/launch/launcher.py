@@ -161,7 +161,7 @@ def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = No
         monitor_interval=spec.monitor_interval,
         start_method=(start or worker_start(spec)).start_method,
         logs_specs=logs_specs(agent, log_dir, spec.nproc_per_node),
-        log_line_prefix_template="[rank${rank}]: ",
+        log_line_prefix_template=agent.log_line_prefix_template,
         # SIGUSR1 too (SLURM's warning before the end): the agent passes the signal on to
         # the workers, and gives them time to save a checkpoint before SIGKILL.
         signals_to_handle=agent.signals_to_handle or "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
@@ -203,7 +203,8 @@ def start_output_relay(spec: LaunchSpec, log_dir: str) -> OutputRelay | None:
     if spec.agent.logs_specs is not None:
         return None
     streams = spec.agent.shown_streams(spec.nproc_per_node)
-    relay = OutputRelay(log_dir, streams.get, first_rank=spec.node_rank * spec.nproc_per_node)
+    relay = OutputRelay(log_dir, streams.get, first_rank=spec.node_rank * spec.nproc_per_node,
+                        template=spec.agent.log_line_prefix_template, role=spec.agent.role)
     relay.start()
     return relay
 

@@ -6,14 +6,17 @@ own, so that a rank's stderr line could be shown ahead of a stdout line it wrote
 ``OutputRelay`` follows both files of every rank in one thread, every 20 ms; when both of a
 rank's files grew since the last look, the one last written earlier is shown first (exact
 when each got one line, as when a rank prints and then fails). Each line gets its rank's
-prefix (``[rank3]: ``) and goes to the launcher's stream of the same name; a line still
-without its end is held until it ends or the workers do.
+prefix (``[rank3]: ``, or torchrun's ``--log-line-prefix-template``) and goes to the
+launcher's stream of the same name; a line still without its end is held until it ends or
+the workers do.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import socket
+import string
 import sys
 import threading
 from collections.abc import Callable
@@ -62,10 +65,11 @@ class OutputRelay(threading.Thread):
     """
 
     def __init__(self, log_dir: str, shown: Callable[[int], set[str] | None],
-                 first_rank: int = 0,
-                 out: TextIO | None = None, err: TextIO | None = None):
+                 first_rank: int = 0, out: TextIO | None = None, err: TextIO | None = None,
+                 template: str = "[rank${rank}]: ", role: str = "default"):
         super().__init__(name="shoal-output", daemon=True)
         self.log_dir, self.shown, self.first_rank = log_dir, shown, first_rank
+        self.template, self.role = template, role
         self.dest = {"stdout": out or sys.stdout, "stderr": err or sys.stderr}
         self._attempt: str | None = None
         self._files: dict[tuple[int, str], _File] = {}
@@ -123,7 +127,9 @@ class OutputRelay(threading.Thread):
             chunks = [chunk for chunk in chunks if chunk[2]]
             if not chunks:
                 continue
-            prefix = f"[rank{self._rank(local_rank)}]: "
+            prefix = string.Template(self.template).safe_substitute(
+                rank=self._rank(local_rank), local_rank=local_rank, role_name=self.role,
+                hostname=socket.gethostname())
             # Both grew: the one written last earlier first (stdout first on a tie).
             for _, stream, data in sorted(chunks, key=lambda c: (c[0], c[1] == "stderr")):
                 text = data.decode(errors="replace")

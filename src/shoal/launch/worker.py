@@ -13,22 +13,21 @@ import atexit
 import ctypes
 import faulthandler
 import gc
-import json
 import os
 import runpy
 import signal
 import sys
 import time
-import traceback
-
-import setproctitle
 
 from shoal.launch.frames import OWN_FRAMES, PID_FILE
 
-# setproctitle finds the command line it rewrites through the environment, which a forked
-# worker has changed by the time it names itself; done here, in the server that preloads
-# this module, it is found before.
-setproctitle.getproctitle()
+if __name__ != "__main__":
+    import setproctitle
+
+    # setproctitle finds the command line it rewrites through the environment, which a
+    # forked worker has changed by the time it names itself; done here, in the server that
+    # preloads this module, it is found before. (A worker started as a command needs none.)
+    setproctitle.getproctitle()
 
 _PR_SET_PDEATHSIG = 1
 _PEER_WAIT_S = 2.0  # many times the agent's monitor interval
@@ -104,6 +103,8 @@ def _record(exc: BaseException) -> None:
     import (over a second) to report its failure: the same record is written here, in the
     layout ErrorHandler writes and torch's launcher reads.
     """
+    import traceback
+
     if "torch" in sys.modules:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -115,6 +116,8 @@ def _record(exc: BaseException) -> None:
     record = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
         "py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         "timestamp": str(int(time.time()))}}}
+    import json
+
     try:
         with open(path, "w") as f:
             json.dump(record, f)
@@ -171,6 +174,8 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
         exc.__traceback__ = None  # its frames hold the script's globals
         namespace = {}
     except BaseException as exc:
+        import traceback
+
         _record(exc)
         # Printed here rather than by sys.excepthook: torch's hook would add a second rank
         # prefix to lines the launcher already prefixes.
@@ -238,6 +243,8 @@ def run_forked(cwd: str, *argv: str) -> None:
     finalization, as ``main`` does. Any other status ends the process here, while its
     output still goes to the rank's log.
     """
+    import setproctitle
+
     _let_the_server_go()
     # ps, top and kill by name see the worker as they would one started as a command, and
     # not as the server (whose command line it inherits).

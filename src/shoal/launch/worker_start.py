@@ -27,6 +27,11 @@ from shoal.launch.config import LaunchSpec
 from shoal.launch.forked import teach_elastic_forked_workers
 from shoal.launch.forkserver import in_callers_environment, start_method
 
+# Set for the launcher of a live mode's replica group (shoal.launch.groups): its first workers
+# are forked too, from a server started at once, since a group that fails early must be
+# replaced in a fraction of a second like any other.
+FORK_FIRST_ENV = "SHOAL_FORK_FIRST"
+
 
 @dataclass(frozen=True)
 class WorkerStart:
@@ -68,5 +73,6 @@ def worker_start(spec: LaunchSpec) -> WorkerStart:
         # does in a command's.
         return WorkerStart(in_callers_environment,
                            (dict(os.environ), run_forked, os.getcwd(), *argv), "forkserver",
-                           first=WorkerStart(sys.executable, tuple(worker_argv(spec)), "spawn"))
+                           first=None if os.environ.get(FORK_FIRST_ENV) == "1" else
+                           WorkerStart(sys.executable, tuple(worker_argv(spec)), "spawn"))
     return WorkerStart(sys.executable, tuple(worker_argv(spec)), "spawn")
