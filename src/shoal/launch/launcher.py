@@ -289,8 +289,8 @@ def launch(spec: LaunchSpec) -> int:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     watch = _start_hang_watch(spec, log_dir, nodes)
     relay = start_output_relay(spec, log_dir)
-    restarts = RestartLog(log_dir, spec.max_restarts, spec.node_rank * spec.nproc_per_node,
-                          _shown_torch_level()).install()
+    restarts = RestartLog(log_dir, spec.max_restarts,
+                          spec.node_rank * spec.nproc_per_node).install()
     # Last, once every variable for the workers is set: forked workers get this environment.
     start = worker_start(spec)
     config = build_launch_config(spec, log_dir, nodes.address if nodes else None, start)
