@@ -19,18 +19,24 @@ LOSS = re.compile(r"^(?:\[rank\d\]: )?(rank \d local \d epoch \d+ step \d+ loss 
                   re.MULTILINE)
 
 
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(400)
 def test_a_torchrun_script_runs_the_same_under_shoal(tmp_path):
     args = ["--epochs", "2", "--lr", "0.1"]
     # torchrun's workers share its stdout, where their lines can mix: each rank's own
-    # output is read from torchrun's per-rank logs instead.
-    logs = tmp_path / "torchrun-logs"
-    torchrun = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node=2",
-         f"--log_dir={logs}", "--redirects=3", SCRIPT, *args,
-         "--out", str(tmp_path / "torchrun.pt")],
-        cwd=REPO, capture_output=True, text=True, timeout=150,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # output is read from torchrun's per-rank logs instead. A worker under torchrun aborts
+    # now and then in gloo's teardown at interpreter exit, after its last line (SIGABRT,
+    # "terminate called without an active exception"; shoal's bootstrap frees the process
+    # group before the interpreter ends): torchrun's run is taken from up to 3 tries.
+    for attempt in range(3):
+        logs = tmp_path / f"torchrun-logs-{attempt}"
+        torchrun = subprocess.run(
+            [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node=2",
+             f"--log_dir={logs}", "--redirects=3", SCRIPT, *args,
+             "--out", str(tmp_path / "torchrun.pt")],
+            cwd=REPO, capture_output=True, text=True, timeout=150,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if torchrun.returncode == 0 or "SIGABRT" not in torchrun.stderr:
+            break
     shoal = run_shoal("run", "--nproc_per_node=2", SCRIPT, *args,
                       "--out", str(tmp_path / "shoal.pt"), timeout=150)
     assert torchrun.returncode == shoal.returncode == 0, (torchrun.stderr, shoal.stderr)
