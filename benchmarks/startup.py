@@ -6,7 +6,10 @@ For each launcher and --nproc-per-node 1 and 2, --runs runs each, alternated:
   before it imports anything (the rank that gets there last);
 - torch imported: the same for a script whose first line is `import torch`;
 - fails at once: the whole command, for a script whose first line raises.
-Prints the medians and shoal's ratio to torchrun (at most 1.0 is the target).
+Prints the medians and shoal's ratio to torchrun (at most 1.0 is the target). Each launcher
+runs once first, unmeasured, and Python may write its bytecode caches (as on a user's
+machine: PYTHONDONTWRITEBYTECODE, where set, would make shoal compile its source at every
+start, while torch's caches come with its wheel).
 
     python benchmarks/startup.py [--runs 5]
 """
@@ -39,9 +42,10 @@ LAUNCHERS = {
 def _once(launcher: list[str], nproc: int, script: Path) -> tuple[float, float]:
     """(seconds to the last rank's first line, seconds of the whole command)."""
     start = time.time()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     out = subprocess.run([*launcher, "--nproc-per-node", str(nproc), str(script)],
                          capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**env, "OMP_NUM_THREADS": "1"})
     total = time.time() - start
     firsts = [float(found) for found in re.findall(r"first \d+ (\d+\.\d+)", out.stdout)]
     return (max(firsts) - start if firsts else float("nan")), total
@@ -56,6 +60,8 @@ def main() -> None:
     for name, text in scripts.items():
         (folder / f"{name.replace(' ', '_')}.py").write_text(text)
     results: dict[tuple[str, int, str], list[float]] = {}
+    for command in LAUNCHERS.values():  # warm-up: caches written, nothing measured
+        _once(command, 1, folder / "first_line.py")
     for _ in range(args.runs):
         for nproc in (1, 2):
             for launcher, command in LAUNCHERS.items():

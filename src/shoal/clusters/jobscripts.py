@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
 from shoal.errors import UsageError
 
 if TYPE_CHECKING:  # the schema imports torch's checkpointing: not needed to parse flags
@@ -264,16 +262,19 @@ def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
-class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the config file) as literal blocks, readable in the output; no
-    YAML aliases (&id001) for objects used twice."""
+def _dumper() -> type:
+    """A YAML dumper that writes multi-line strings (the config file) as literal blocks,
+    readable in the output, and no aliases (&id001) for objects used twice. (yaml is
+    imported here: every `shoal` command imports this module, and yaml takes 70 ms.)"""
+    import yaml
 
-    def ignore_aliases(self, data: object) -> bool:
-        return True
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: object) -> bool:
+            return True
 
-
-_Dumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
-    "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
+    Dumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
+        "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
+    return Dumper
 
 
 def k8s_manifests(job: K8sJob) -> str:
@@ -287,4 +288,6 @@ def k8s_manifests(job: K8sJob) -> str:
               f"{_plural(job.nproc_per_node, 'worker')}.\n"
               + ("# --kind all: the PyTorchJob and the Indexed Job are alternatives; apply "
                  "one.\n" if job.kind == "all" else ""))
-    return header + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, explicit_start=True)
+    import yaml
+
+    return header + yaml.dump_all(docs, Dumper=_dumper(), sort_keys=False, explicit_start=True)

@@ -8,12 +8,14 @@ import re
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.markup import escape
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from shoal.launch.frames import OWN_FRAMES, PID_FILE
+
+if TYPE_CHECKING:  # rich is imported when a summary is printed: it takes 70 ms to import
+    from rich.console import Console
 
 
 def describe_exit(exitcode: int) -> str:
@@ -198,6 +200,9 @@ def report_failure(failed: ChildFailedError, log_dir: str, first_rank: int = 0,
     ``nodes``: the other nodes of a multi-node job ('HOSTNAME (ADDRESS)'), to name the one
     a rank lost its connection to. ``earlier``: the first failure of each attempt before
     the last (shoal.launch.restarts.AttemptFailure), listed when there were restarts."""
+    from rich.console import Console
+    from rich.markup import escape
+
     console = console or Console(stderr=True, highlight=False)
     failures = collect_failures(failed, log_dir, first_rank)
     root_rank, root = root_cause(failures)
