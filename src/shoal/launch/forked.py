@@ -30,6 +30,7 @@ _SERVER_EXIT_WAIT_S = 5.0  # a server that broke off a start is dying: it ends w
 # theirs; a restart before then starts it at once.
 SERVER_DELAY_S = 5.0
 _first: Any = None  # shoal.launch.worker_start.WorkerStart of the next job's first attempt
+_prewarm = True  # whether the next job may start its workers again (restarts, nodes joining)
 _timers: list[threading.Timer] = []
 
 
@@ -40,11 +41,12 @@ def teach_elastic_forked_workers() -> None:
     _start_the_first_attempt_apart()
 
 
-def first_attempt_as(start: Any) -> None:
+def first_attempt_as(start: Any, again: bool = True) -> None:
     """The next job's first attempt starts its workers as ``start`` says (a WorkerStart
-    of commands); every later attempt forks them."""
-    global _first
-    _first = start
+    of commands); every later attempt forks them. ``again``: whether the job may start its
+    workers again at all; if not, no server is started for it."""
+    global _first, _prewarm
+    _first, _prewarm = start, again
 
 
 def cancel_server_start() -> None:
@@ -68,13 +70,15 @@ def _start_the_first_attempt_apart() -> bool:
         forked = spec.entrypoint, spec.args
         spec.entrypoint, spec.args = first.entrypoint, first.args
         try:
-            return original(self, worker_group)
+            started = original(self, worker_group)
         finally:
             spec.entrypoint, spec.args = forked
+        if _prewarm:  # the server for the restarts, once these workers are under way
             timer = threading.Timer(SERVER_DELAY_S, start_server)
             timer.daemon = True
             timer.start()
             _timers.append(timer)
+        return started
 
     _start_workers._shoal = True  # type: ignore[attr-defined]
     LocalElasticAgent._start_workers = _start_workers

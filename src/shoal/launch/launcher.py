@@ -295,7 +295,7 @@ def launch(spec: LaunchSpec) -> int:
     start = worker_start(spec)
     config = build_launch_config(spec, log_dir, nodes.address if nodes else None, start)
     if start.first is not None:
-        first_attempt_as(start.first)
+        first_attempt_as(start.first, again=second_round_possible(spec))
     try:
         try:
             elastic_launch(config, start.entrypoint)(*start.args)
