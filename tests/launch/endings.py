@@ -1,6 +1,6 @@
 """Every way a Python process ends, run under one launcher (never collected by pytest).
 
-    python tests/launch/endings.py torchrun|shoal|shoal-no-preload SCRIPT_DIR
+    python tests/launch/endings.py torchrun|shoal-forked|shoal-no-preload SCRIPT_DIR
 
 Writes SCRIPT_DIR/ends.py, a script that ends in the way its first argument names, on
 rank 1 only ("one") or on every rank ("all"), and runs it under the launcher once per
@@ -8,7 +8,9 @@ ending and scope, here, one launch after another: the launcher's own ``main`` is
 this process, so that its import and (for shoal) its workers' server are paid once. Each
 launch's exit status is what the command would exit with: shoal's ``main`` returns it;
 torchrun's ``main`` returns for 0 and raises for a failure, which the interpreter turns into
-1. Prints one JSON line: {"ENDING/SCOPE": status}.
+1. Prints one JSON line: {"ENDING/SCOPE": status}. ``shoal-forked`` forks every attempt's
+workers from the preloaded server, the first one's too, as a live replica group does (a
+job's first workers are otherwise new processes, and only restarted ones are forked).
 """
 
 import json
@@ -63,6 +65,10 @@ def main() -> None:
         f.write(SCRIPT)
     run = _torchrun if launcher == "torchrun" else _shoal
     flags = ["--no-preload"] if launcher == "shoal-no-preload" else []
+    if launcher == "shoal-forked":
+        from shoal.launch.worker_start import FORK_FIRST_ENV
+
+        os.environ[FORK_FIRST_ENV] = "1"
     statuses = {}
     for ending in ENDINGS:
         for scope in ("one", "all"):

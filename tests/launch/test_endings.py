@@ -1,7 +1,8 @@
-"""Every way a Python process ends, under `shoal run` (forked workers and --no-preload) and
-under torchrun, on the same script: the job succeeds exactly where torchrun's does, and
-fails with the rank's own status where torchrun says 1 (docs/launcher.md, "How a job
-ends")."""
+"""Every way a Python process ends, under `shoal run` (workers forked from the preloaded
+server, as every restart's are, and new processes, as the first attempt's and
+--no-preload's are) and under torchrun, on the same script: the job succeeds exactly where
+torchrun's does, and fails with the rank's own status where torchrun says 1
+(docs/launcher.md, "How a job ends")."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def torchrun(tmp_path_factory) -> dict[str, int]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("launcher", ["shoal", "shoal-no-preload"])
+@pytest.mark.parametrize("launcher", ["shoal-forked", "shoal-no-preload"])
 def test_every_ending_ends_the_job_as_under_torchrun(launcher, torchrun, tmp_path):
     shoal = _statuses(launcher, tmp_path)
     assert sorted(shoal) == sorted(torchrun) == sorted(

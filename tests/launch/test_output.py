@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from shoal.launch.worker_start import FORK_FIRST_ENV
 from tests.helpers import REPO, run_shoal
 
 SCRIPT = textwrap.dedent("""\
@@ -49,8 +50,12 @@ def test_paths_are_absolute_and_summary_lines_whole(script):
 
 
 @pytest.mark.timeout(120)
-def test_a_sys_exit_message_is_the_rank_s_own_line(script):
-    out = run_shoal("run", "--nproc-per-node", "2", "job.py", "message", cwd=str(script))
+@pytest.mark.parametrize("forked", [False, True], ids=["new-processes", "forked"])
+def test_a_sys_exit_message_is_the_rank_s_own_line(script, forked):
+    # Forked: as a restarted worker (or a live group's) is, from the first attempt on.
+    env = {FORK_FIRST_ENV: "1"} if forked else {}
+    out = run_shoal("run", "--nproc-per-node", "2", "job.py", "message", cwd=str(script),
+                    env=env)
     assert out.returncode == 1, out.stderr
     assert "[rank1]: the script gave up\n" in out.stderr
     assert "\nthe script gave up" not in out.stderr  # no line without its rank
