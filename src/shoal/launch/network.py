@@ -12,8 +12,6 @@ import os
 import socket
 import sys
 
-import psutil
-
 from shoal.errors import UsageError
 
 
@@ -39,6 +37,8 @@ def route_to(host: str) -> tuple[str | None, str]:
             raise UsageError(f"no route from this host to {host} ({address}): "
                              f"{exc.strerror}") from None
         local = probe.getsockname()[0]
+    import psutil  # multi-node only: a job of one node starts without it
+
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == local for a in addresses):
             return name, local
