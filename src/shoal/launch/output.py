@@ -73,6 +73,7 @@ class OutputRelay(threading.Thread):
         self.dest = {"stdout": out or sys.stdout, "stderr": err or sys.stderr}
         self._attempt: str | None = None
         self._files: dict[tuple[int, str], _File] = {}
+        self._ranks: dict[int, int] = {}  # local rank -> global, once its worker has said
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -90,7 +91,7 @@ class OutputRelay(threading.Thread):
         newest = max(attempts, key=lambda p: int(p.rsplit("_", 1)[1]), default=None)
         if newest != self._attempt:
             self._relay(last=True)  # the attempt before: all of it first
-            self._attempt, self._files = newest, {}
+            self._attempt, self._files, self._ranks = newest, {}, {}
         if newest is None:
             return
         for folder in glob.glob(os.path.join(newest, "*")):
@@ -104,10 +105,15 @@ class OutputRelay(threading.Thread):
         self._relay(last=final)
 
     def _rank(self, local_rank: int) -> int:
+        """The global rank, read once from the file the worker leaves (until then, or for a
+        program started with --no-python, this node's first rank plus the local one)."""
+        if local_rank in self._ranks:
+            return self._ranks[local_rank]
         folder = os.path.join(self._attempt or "", str(local_rank))
         try:
             with open(os.path.join(folder, PID_FILE)) as f:
-                return int(f.read().split()[1])
+                self._ranks[local_rank] = int(f.read().split()[1])
+                return self._ranks[local_rank]
         except (OSError, ValueError, IndexError):
             return self.first_rank + local_rank
 

@@ -58,6 +58,8 @@ class RestartLog:
     def uninstall(self) -> None:
         global _active
         _active = None
+        if os.environ.get(RESTARTS_FILE_ENV) == self.path:
+            del os.environ[RESTARTS_FILE_ENV]  # a later job in this process has its own
 
     def restarting(self, failures: dict, left: int) -> None:
         """The workers failed with ``failures`` (by global rank) and are restarted, with

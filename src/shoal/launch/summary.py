@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from shoal.launch.frames import OWN_FRAMES, PID_FILE
+from shoal.runtime.restarts import AttemptFailure
 
 if TYPE_CHECKING:  # rich is imported when a summary is printed: it takes 70 ms to import
     from rich.console import Console
@@ -55,15 +56,20 @@ def strip_launcher_frames(trace: str) -> str:
     return _OWN_FRAME.sub("", trace + "\n").rstrip()
 
 
+def _recorded_stack(failure: ProcessFailure) -> str:
+    """The call stack the worker wrote to its error file ('' when it wrote none)."""
+    data = failure.error_file_data
+    message = data.get("message") if isinstance(data, dict) else None
+    if not isinstance(message, dict):
+        return ""
+    return message.get("extraInfo", {}).get("py_callstack") or ""
+
+
 def first_traceback(failure: ProcessFailure, log_dir: str) -> str | None:
     """The traceback recorded in the worker's error file, else the last one in its stderr log."""
-    data = failure.error_file_data
-    if isinstance(data, dict):
-        message = data.get("message")
-        if isinstance(message, dict):
-            stack = message.get("extraInfo", {}).get("py_callstack")
-            if stack:
-                return strip_launcher_frames(stack)
+    stack = _recorded_stack(failure)
+    if stack:
+        return strip_launcher_frames(stack)
     path = _stderr_log(log_dir, failure.local_rank)
     if path is None:
         return None
@@ -109,10 +115,8 @@ def _raised(failure: ProcessFailure, message: str) -> str:
     kind, _, text = first.partition(": ")
     if text.strip() or ": " not in first:
         return first
-    data = failure.error_file_data
-    stack = (data.get("message", {}).get("extraInfo", {}).get("py_callstack", "")
-             if isinstance(data, dict) and isinstance(data.get("message"), dict) else "")
-    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n    ([^\n]*)', stack)
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n    ([^\n]*)',
+                        _recorded_stack(failure))
     if not frames:
         return f"{kind} (no message)"
     path, line, source = frames[-1]
@@ -195,11 +199,11 @@ def _lost_node(message: str, nodes: Sequence[str]) -> str | None:
 
 def report_failure(failed: ChildFailedError, log_dir: str, first_rank: int = 0,
                    console: Console | None = None, nodes: Sequence[str] = (),
-                   earlier: Sequence = ()) -> int:
+                   earlier: Sequence[AttemptFailure] = ()) -> int:
     """Print the summary of a failed job to stderr and return the launcher's exit code.
     ``nodes``: the other nodes of a multi-node job ('HOSTNAME (ADDRESS)'), to name the one
     a rank lost its connection to. ``earlier``: the first failure of each attempt before
-    the last (shoal.launch.restarts.AttemptFailure), listed when there were restarts."""
+    the last, listed when there were restarts."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -224,9 +228,9 @@ def report_failure(failed: ChildFailedError, log_dir: str, first_rank: int = 0,
         for attempt in earlier:
             console.print(f"  attempt {attempt.attempt}: {attempt.describe()}",
                           markup=False, soft_wrap=True)
-        pid = f" (pid {root.pid})" if root.pid else ""
-        console.print(f"  attempt {attempts}: rank {root_rank} {cause.text}{pid}",
-                      markup=False, soft_wrap=True)
+        last = AttemptFailure(attempt=attempts, rank=root_rank, pid=root.pid,
+                              cause=cause.text, exit_code=cause.exit_code, time=0.0)
+        console.print(f"  attempt {attempts}: {last.describe()}", markup=False, soft_wrap=True)
     trace = first_traceback(root, log_dir)
     if trace and _recorded_message(root).startswith("SystemExit"):
         # The rank chose to exit (its own message is in its output above): where, not a
