@@ -1,9 +1,12 @@
 """Test settings shared by every test: one thread per process, clean distributed state."""
 
-import functools
 import os
 
 import pytest
+
+from tests import ordering
+
+pytest_plugins = ["tests.ordering"]
 
 # Set before any test starts processes: children inherit one compute thread each.
 os.environ["OMP_NUM_THREADS"] = "1"
@@ -18,21 +21,17 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's load scheduling, except that the tests of a module that defines a
-    module-scoped fixture (one job whose results its tests check) go to one worker, so the
-    job runs once, not once per worker. (pytest-xdist's own ``xdist_group`` marks are lost
-    on pytest 9's node ids.)"""
+    """pytest-xdist's load scheduling in the collection's order (longest first:
+    tests/ordering.py), except that the tests of a module that defines a module-scoped fixture
+    (one job whose results its tests check) go to one worker, so the job runs once, not once
+    per worker. (pytest-xdist's own ``xdist_group`` marks are lost on pytest 9's node ids.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    @functools.cache
-    def shares_a_job(path: str) -> bool:
-        file = config.rootpath / path
-        return file.is_file() and 'scope="module"' in file.read_text()
+    config.option.loadscopereorder = False  # keep the order tests/ordering.py made
 
     class SharedJobScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return path if shares_a_job(path) else nodeid
+            return ordering.unit(config.rootpath, nodeid)
 
     return SharedJobScheduling(config, log)
 

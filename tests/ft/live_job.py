@@ -11,8 +11,9 @@ itself (SIGKILL) in the forward pass of step S + 1, once (a marker file remember
 i.e. mid-step, before its gradients reach the other groups; ``--kill G:S:SIGSTOP`` freezes
 it there instead.
 ``--pace K:S``: after step K group 0 waits until a replacement of group 1 has built its
-trainer (it is about to train), then takes at least S seconds per step (so that the
-replacement rejoins before the run ends, under policy 'available').
+trainer (it is about to train), then takes at least S seconds per step until the
+replacement has taken a step (so that it rejoins before the run ends, under policy
+'available'; once back, neither of two live groups forms a quorum without the other).
 ``--hold K``: after step K group 0 writes OUT/held and waits for OUT/go (the test does
 something to the job meanwhile). ``--no-commit G:S``: group G takes its vote on step S as
 no, once, while the others commit it. ``--step-sleep S``: after each step every group
@@ -93,12 +94,16 @@ if args.pace and group == 0:
     after, seconds = args.pace.split(":")
 
     def pace(*_):
-        if trainer.global_step >= int(after):
+        if trainer.global_step >= int(after) and not (out / "stepped.g1.a1.r0").exists():
             while not (out / "ready.g1.a1.r0").exists():
                 shoal.heartbeat(trainer.global_step)  # waiting on purpose: not a hang
                 time.sleep(0.05)
             time.sleep(float(seconds))
     trainer.optimizer.register_step_post_hook(pace)
+if args.pace and group == 1 and attempt == 1:
+    def stepped(*_):  # the replacement's first step is one with group 0: it is back
+        (out / f"stepped.g{group}.a{attempt}.r{rank}").write_text("")
+    trainer.optimizer.register_step_post_hook(stepped)
 if args.hold is not None and group == 0:
     import time
 

@@ -5,8 +5,10 @@ together)."""
 from __future__ import annotations
 
 import os
+import selectors
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,14 +36,12 @@ class Runs:
         out.mkdir()
         cmd = [sys.executable, "-m", "shoal", "run", "--hang-timeout", "0", *flags,
                JOB, str(out), str(self.steps), *job.split()]
-        self.started[name] = out, subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.started[name] = out, start_piped(cmd)
 
     def wait(self, name: str) -> tuple[Path, str]:
         out, process = self.started[name]
         if name not in self.outputs:
-            self.outputs[name], _ = process.communicate(timeout=240)
+            self.outputs[name] = output_until_exit(process)
             assert process.returncode == 0, self.outputs[name][-4000:]
         return out, self.outputs[name]
 
@@ -56,6 +56,43 @@ class Runs:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def start_piped(cmd: list[str]) -> subprocess.Popen:
+    """``cmd`` with its output (stderr too) in an unbuffered pipe, read by
+    ``output_until_exit`` (``stdout.readline()`` reads no further than the line)."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def output_until_exit(process: subprocess.Popen, timeout: float = 240) -> str:
+    """What ``process`` (from ``start_piped``) writes until it exits, not until its pipe
+    closes: the forkserver of each replica group of a live job holds the pipe for seconds
+    after the launcher has ended (torch's teardown). ``timeout``: a hang guard (a run here
+    takes well under a minute alone)."""
+    fd = process.stdout.fileno()
+    os.set_blocking(fd, False)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while True:
+            ended = process.poll() is not None  # then all it wrote is in the pipe already
+            selector.select(0.1)
+            while True:
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                if not chunk:  # the pipe closed
+                    process.wait(max(deadline - time.monotonic(), 0.1))
+                    ended = True
+                    break
+                chunks.append(chunk)
+            if ended:
+                return b"".join(chunks).decode(errors="replace")
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(process.args, timeout)
 
 
 def final(out: Path, group: int = 0, rank: int = 0) -> dict:

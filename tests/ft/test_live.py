@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.examples.digits import build_data, build_model
-from tests.ft.runs import final, pids
+from tests.ft.runs import final, output_until_exit, pids, start_piped
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
@@ -34,16 +34,23 @@ AVAILABLE_TOLERANCE = 0.05
 def _shoal_run(out: Path, *flags: str, job: tuple[str, ...] = (),
                steps: int = STEPS) -> subprocess.Popen:
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "shoal", "run", "--hang-timeout", "0", *flags, JOB, str(out),
-           str(steps), *job]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return start_piped([sys.executable, "-m", "shoal", "run", "--hang-timeout", "0", *flags,
+                        JOB, str(out), str(steps), *job])
 
 
 def _finish(process: subprocess.Popen) -> str:
-    output, _ = process.communicate(timeout=240)
+    output = output_until_exit(process)
     assert process.returncode == 0, output[-4000:]
     return output
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is running or not yet reaped by its parent."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _equals_ddp(live: Path, reference: Path, groups: int = 2) -> bool:
@@ -89,14 +96,18 @@ def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
     live = tmp_path / "live"
     process = _shoal_run(live, "--replica-groups", "2", "--max-restarts", "1",
                          job=("--hold", "3", "--kill", "1:6"))
-    first = process.stdout.readline()
+    first = process.stdout.readline().decode()
     lighthouse = int(re.search(r"\(pid (\d+)\)", first).group(1))
     deadline = time.monotonic() + 200
     while not (live / "held").exists():
         assert process.poll() is None and time.monotonic() < deadline, first
         time.sleep(0.1)
     os.kill(lighthouse, signal.SIGKILL)
-    time.sleep(1.0)
+    # Go on once the launcher has reaped it (it starts the new one at once; it looks every
+    # 0.1 s): the groups meet the new one, or retry until it listens.
+    while _exists(lighthouse):
+        assert process.poll() is None and time.monotonic() < deadline, first
+        time.sleep(0.02)
     (live / "go").write_text("")
     output = first + _finish(process)
     assert f"the lighthouse (pid {lighthouse}) ended with code -9: started again" in output

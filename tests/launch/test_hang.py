@@ -5,7 +5,6 @@ non-zero and no process is left. With --debug torch names a mismatch at once."""
 from __future__ import annotations
 
 import textwrap
-import time
 import uuid
 
 import pytest
@@ -51,11 +50,11 @@ def script(tmp_path):
                   "rank 0: inside all_reduce at {s}:11", "rank 1: inside broadcast at {s}:13"]),
 ])
 def test_hang_is_reported_with_every_rank_position(script, mode, expected):
-    start = time.monotonic()
+    # The ranks sleep 600 s: the job can only end within the guard (90 s, some 10 times the
+    # idle run) by the hang watch's report and stop, which 124 and the lines below show.
     out = run_shoal("run", "--nproc-per-node", "2", "--hang-timeout", "3", str(script), mode,
                     timeout=90)
     assert out.returncode == 124, out.stderr[-2000:]
-    assert time.monotonic() - start < 60
     assert "shoal: hang: no rank made progress for 3 s" in out.stderr
     for line in expected:
         assert line.format(s=script) in out.stderr, out.stderr[-2000:]

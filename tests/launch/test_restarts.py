@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -79,32 +80,34 @@ def _server_with_workers(launcher: psutil.Process) -> psutil.Process | None:
     return None
 
 
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(90 + 150 + 30)  # the guards below; the reference runs beside them
 def test_a_killed_workers_server_is_replaced_and_the_run_goes_on_bitwise(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir()
     killed.mkdir()
-    out = run_shoal("run", "--nproc-per-node", "2", JOB, str(straight), "--steps", "12",
-                    "--no-checkpoints")
-    assert out.returncode == 0, out.stderr
-    # The first attempt's workers are new processes; rank 1 kills itself after step 4, and
-    # the second attempt's are forked from the server, which is then killed with them.
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", "--max-restarts", "2",
-         JOB, str(killed), "--steps", "12", "--every", "2", "--step-sleep", "0.3",
-         "--kills", json.dumps([[1, 4, "step"]])],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 90  # a hang guard: the restart comes within ~15 s
-    server = None
-    while server is None and launcher.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-        server = _server_with_workers(psutil.Process(launcher.pid))
-    assert server is not None, "no worker was forked"
-    # It says what it is: a worker's name does not find it.
-    assert server.pid not in {p.pid for p in processes_with("shoal.launch.worker")}
-    server.send_signal(signal.SIGKILL)
-    _, err = launcher.communicate(timeout=150)
-    assert launcher.returncode == 0, err[-3000:]
+    # The uninterrupted reference runs beside the killed run: they share nothing.
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run_shoal, "run", "--nproc-per-node", "2", JOB, str(straight),
+                                "--steps", "12", "--no-checkpoints", timeout=150)
+        # The first attempt's workers are new processes; rank 1 kills itself after step 4, and
+        # the second attempt's are forked from the server, which is then killed with them.
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", "--max-restarts", "2",
+             JOB, str(killed), "--steps", "12", "--every", "2", "--step-sleep", "0.3",
+             "--kills", json.dumps([[1, 4, "step"]])],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 90  # a hang guard: the restart comes within ~15 s
+        server = None
+        while server is None and launcher.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+            server = _server_with_workers(psutil.Process(launcher.pid))
+        assert server is not None, "no worker was forked"
+        # It says what it is: a worker's name does not find it.
+        assert server.pid not in {p.pid for p in processes_with("shoal.launch.worker")}
+        server.send_signal(signal.SIGKILL)
+        _, err = launcher.communicate(timeout=150)
+        assert launcher.returncode == 0, err[-3000:]
+        assert reference.result().returncode == 0, reference.result().stderr
     assert f"shoal: the workers' server (shoal forkserver, pid {server.pid}) was killed by " \
         "SIGKILL: a new one starts this attempt's workers" in err
     a = torch.load(straight / "final.pt", weights_only=True)

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -32,13 +33,12 @@ SCRIPT = textwrap.dedent("""\
 """)
 
 
-def _restart_once(tmp_path, preload: bool) -> dict[str, dict]:
-    """Run SCRIPT on 2 ranks with one restart (rank 1 is killed in attempt 0); what each
-    rank of each attempt saw, by "attempt_rank"."""
+def _restart_once(tmp_path, preload: bool) -> tuple:
+    """Run SCRIPT on 2 ranks with one restart (rank 1 is killed in attempt 0); the run's
+    output and what each rank of each attempt saw, by "attempt_rank"."""
     out = tmp_path / ("forked" if preload else "command")
     out.mkdir()
     script = tmp_path / "job_worker_start.py"
-    script.write_text(SCRIPT)
     # Variables elastic sets for each worker, already in the launcher's environment:
     # elastic's values must win.
     env = {"SHOAL_TEST_MARK": "from the launcher", "TORCHELASTIC_RESTART_COUNT": "7",
@@ -46,16 +46,21 @@ def _restart_once(tmp_path, preload: bool) -> dict[str, dict]:
     flags = [] if preload else ["--no-preload"]
     result = run_shoal("run", "--nproc-per-node", "2", "--max-restarts", "1", *flags,
                        str(script), str(out), "rank${local_rank}", cwd=str(tmp_path), env=env)
-    assert result.returncode == 0, result.stderr
-    assert "Warning" not in result.stderr, result.stderr
-    assert processes_with(script.name) == []
-    return {p.name[len("seen_"):]: json.loads(p.read_text()) for p in out.iterdir()}
+    return result, {p.name[len("seen_"):]: json.loads(p.read_text()) for p in out.iterdir()}
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 def test_a_restarted_worker_is_forked_and_sees_what_a_new_process_sees(tmp_path):
-    forked = _restart_once(tmp_path, preload=True)
-    command = _restart_once(tmp_path, preload=False)
+    (tmp_path / "job_worker_start.py").write_text(SCRIPT)
+    # The two runs go side by side: each writes to its own folder.
+    with ThreadPoolExecutor(1) as pool:
+        preloaded = pool.submit(_restart_once, tmp_path, preload=True)
+        results = [_restart_once(tmp_path, preload=False), preloaded.result()]
+    for result, _ in results:
+        assert result.returncode == 0, result.stderr
+        assert "Warning" not in result.stderr, result.stderr
+    assert processes_with("job_worker_start.py") == []
+    (_, command), (_, forked) = results
     assert sorted(forked) == sorted(command) == ["0_0", "0_1", "1_0", "1_1"]
     # The first attempt's workers are new processes; the restarted ones were forked, from
     # one server, and did not import torch again.

@@ -22,10 +22,18 @@ from shoal.launch.ports import free_port
 from shoal.metrics.mlflow import MLflowConfig, MLflowRun
 from tests.helpers import REPO, processes_with, run_shoal, run_shoal_in_process
 
-EPOCHS, STEPS_PER_EPOCH = 4, 23  # digits: 1437 training samples / (2 ranks x 32)
+# Two epochs: the kill lands in the first, and the resume validates both.
+EPOCHS, STEPS_PER_EPOCH = 2, 23  # digits: 1437 training samples / (2 ranks x 32)
 STEPS = EPOCHS * STEPS_PER_EPOCH
-KILL_AFTER = 12  # the first run is killed once this step's checkpoint is committed
-SERVER_START_S = 240  # its first start builds the database; a loaded machine is slow
+KILL_AFTER = 8  # the first run is killed once this step's checkpoint is committed
+# Hang guards, several times the idle time, so that a loaded machine (3 xdist workers on
+# 2 cores, another process busy) never meets them: the server is healthy in ~12 s alone
+# (its first start builds the database); the killed run commits step KILL_AFTER in ~15 s,
+# the resume ends in ~12 s; a SIGKILLed launcher is gone, and its workers after it, at once.
+SERVER_START_S = 240
+FIRST_RUN_S, RESUME_S, KILLED_GONE_S = 150, 150, 30
+# pytest-timeout counts the fixtures' setup: above the sum of the guards a test may sit out.
+MODULE_SETUP_S = SERVER_START_S + FIRST_RUN_S + 2 * KILLED_GONE_S + RESUME_S + 60
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,6 +119,7 @@ def test_a_database_store_without_the_full_package_is_one_line(tmp_path, monkeyp
         "server (http://host:5000)\n")
 
 
+@pytest.mark.timeout(SERVER_START_S + 120)  # the server's start, then bounded requests
 def test_a_server_that_stops_answering_mid_run_costs_one_line(tracking_uri, capsys):
     run = MLflowRun.start(MLflowConfig(tracking_uri=tracking_uri), {"a": {"b": 1}})
     assert run is not None
@@ -148,22 +157,23 @@ def killed_and_resumed(tracking_uri, tmp_path_factory):
                                  stdout=subprocess.DEVNULL, stderr=err,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
     commit = run_dir / "checkpoints" / f"step_{KILL_AFTER:09d}" / "COMMIT.json"
-    deadline = time.time() + 150
+    deadline = time.time() + FIRST_RUN_S
     while not commit.exists() and first.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     first.send_signal(signal.SIGKILL)
-    first.wait(timeout=30)
+    first.wait(timeout=KILLED_GONE_S)
     first_err = err_file.read_text()
     assert first.returncode == -signal.SIGKILL and commit.exists(), first_err[-3000:]
     first_config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    deadline = time.time() + 30
+    deadline = time.time() + KILLED_GONE_S
     while processes_with(str(run_dir)) and time.time() < deadline:
         time.sleep(0.2)
-    second = run_shoal(*args, "trainer.checkpoint_every=50", timeout=170)
+    second = run_shoal(*args, "trainer.checkpoint_every=50", timeout=RESUME_S)
     assert second.returncode == 0, second.stderr[-3000:]
     return run_dir, first_config, first_err, second
 
 
+@pytest.mark.timeout(MODULE_SETUP_S)
 def test_one_run_from_rank_0_with_params_steps_and_artifacts(killed_and_resumed, tracking_uri):
     run_dir, first_config, first_err, second = killed_and_resumed
     client = _client(tracking_uri)

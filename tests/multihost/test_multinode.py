@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+from tests.ft.runs import output_until_exit
 from tests.helpers import REPO
 
 JOB = os.path.join(REPO, "tests", "checkpoint", "job.py")
@@ -20,11 +21,20 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
 
 
+def _local(*args: str) -> subprocess.Popen:
+    """``shoal ARGS`` on this machine, started now (it runs beside the hosts' job); read its
+    output with ``output_until_exit``."""
+    return subprocess.Popen(_shoal(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
 def test_two_hosts_of_two_match_four_processes_on_one_host(make_hosts, tmp_path):
     hosts = make_hosts(2)
     port = 29400
     for out in ("hosts", "local"):
         (tmp_path / out).mkdir()
+    local = _local("run", "--nproc-per-node", "4", JOB, str(tmp_path / "local"),
+                   "--no-checkpoints", "--steps", str(STEPS))
     nodes = [hosts.popen(r, _shoal("run", "--nproc-per-node", "2", "--nnodes", "2",
                                    "--node-rank", str(r), "--master-addr", hosts.addr(0),
                                    "--master-port", str(port), "--hang-timeout", "60",
@@ -33,16 +43,14 @@ def test_two_hosts_of_two_match_four_processes_on_one_host(make_hosts, tmp_path)
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
              for r in range(2)]
-    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    outputs = [output_until_exit(node, timeout=120) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     # Each node names the interface it chose: the namespace's eth0, not loopback.
     for r, out in enumerate(outputs):
         assert f"node {r} reaches the master {hosts.addr(0)} through eth0 ({hosts.addr(r)})" \
             in out, out
-    local = subprocess.run(_shoal("run", "--nproc-per-node", "4", JOB, str(tmp_path / "local"),
-                                  "--no-checkpoints", "--steps", str(STEPS)),
-                           env=_env(), capture_output=True, text=True, timeout=120)
-    assert local.returncode == 0, local.stderr
+    output = output_until_exit(local, timeout=120)
+    assert local.returncode == 0, output
     across = torch.load(tmp_path / "hosts" / "final.pt")
     alone = torch.load(tmp_path / "local" / "final.pt")
     for key, value in alone["model"].items():

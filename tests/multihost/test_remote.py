@@ -3,8 +3,9 @@ two processes on host 1; the result is bit for bit the all-local run's."""
 
 import subprocess
 
-from tests.helpers import REPO, run_shoal, states_equal
-from tests.multihost.test_multinode import _env, _shoal
+from tests.ft.runs import output_until_exit
+from tests.helpers import REPO, states_equal
+from tests.multihost.test_multinode import _env, _local, _shoal
 from tests.remote.runs import final_state, write_config
 from tests.remote.test_security import make_certificate
 
@@ -25,12 +26,13 @@ def test_block_on_another_host_trains_bitwise_like_local(make_hosts, tmp_path):
     assert f"at {server_ip}:{PORT} (TLS, token required)" in server.stdout.readline()
     remote = write_config(tmp_path / "remote", f"{server_ip}:{PORT}",
                           {"tls_ca": str(cert), "token_file": str(token)})
+    local = write_config(tmp_path / "local", None)
+    alone = _local("train", "--config", str(local), "--nproc-per-node", "2")  # side by side
     out = hosts.run(1, _shoal("train", "--config", str(remote), "--nproc-per-node", "2"),
                     cwd=REPO, env=_env(), capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-3000:]
-    local = write_config(tmp_path / "local", None)
-    out = run_shoal("train", "--config", str(local), "--nproc-per-node", "2", timeout=150)
-    assert out.returncode == 0, out.stderr[-3000:]
+    output = output_until_exit(alone, timeout=150)
+    assert alone.returncode == 0, output[-3000:]
     (a, _), (b, meta) = final_state(tmp_path / "local"), final_state(tmp_path / "remote")
     assert meta["global_step"] == 12
     assert states_equal(a, b)

@@ -6,7 +6,7 @@ import pytest
 
 from tests.multihost import hosts as test_hosts
 from tests.slurm.cluster import SlurmCluster, unavailable
-from tests.slurm.runs import train_locally
+from tests.slurm.runs import start_training_locally, trained_locally
 
 
 @pytest.fixture(scope="session")
@@ -35,14 +35,37 @@ def mpirun():
     return found
 
 
+class LocalRuns:
+    """``local_run(nproc)``: the final state of the run on ``nproc`` processes of this
+    machine, the reference each scheduler's run must equal bit for bit (trained once).
+    ``local_run.start(nproc)`` starts it in the background first, so that it trains beside
+    the scheduler's job."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._started: dict[int, tuple] = {}
+        self._done: dict[int, dict] = {}
+
+    def start(self, nproc: int) -> None:
+        if nproc not in self._started:
+            directory = self._tmp.mktemp(f"local{nproc}")
+            self._started[nproc] = (directory, start_training_locally(directory, nproc))
+
+    def __call__(self, nproc: int) -> dict:
+        if nproc not in self._done:
+            self.start(nproc)
+            self._done[nproc] = trained_locally(*self._started[nproc])
+        return self._done[nproc]
+
+    def stop(self) -> None:
+        for _, run in self._started.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+
+
 @pytest.fixture(scope="session")
 def local_run(tmp_path_factory):
-    """``local_run(nproc)``: the final state of the run on ``nproc`` processes of this
-    machine, the reference each scheduler's run must equal bit for bit (trained once)."""
-    done: dict[int, dict] = {}
-
-    def run(nproc: int) -> dict:
-        if nproc not in done:
-            done[nproc] = train_locally(tmp_path_factory.mktemp(f"local{nproc}"), nproc)
-        return done[nproc]
-    return run
+    runs = LocalRuns(tmp_path_factory)
+    yield runs
+    runs.stop()

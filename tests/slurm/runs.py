@@ -49,9 +49,18 @@ def trained(directory: Path) -> dict:
     return state
 
 
-def train_locally(directory: Path, nproc: int) -> dict:
-    """The run on ``nproc`` processes of this machine: its final model and optimizer."""
-    out = shoal("train", "--config", "examples/digits.yaml", "--nproc-per-node", str(nproc),
-                *RUN, CHECKPOINTS, cwd=project(directory))
-    assert out.returncode == 0, out.stderr[-3000:]
+def start_training_locally(directory: Path, nproc: int) -> subprocess.Popen:
+    """Start the run on ``nproc`` processes of this machine (its output in
+    ``directory``/output.txt); ``trained_locally`` waits for it."""
+    with open(directory / "output.txt", "w") as output:
+        return subprocess.Popen(
+            [sys.executable, "-m", "shoal", "train", "--config", "examples/digits.yaml",
+             "--nproc-per-node", str(nproc), *RUN, CHECKPOINTS], cwd=project(directory),
+            env={**os.environ, **job_env()}, stdout=output, stderr=subprocess.STDOUT)
+
+
+def trained_locally(directory: Path, run: subprocess.Popen, timeout: float = 150) -> dict:
+    """The final model and optimizer of ``run`` (from ``start_training_locally``)."""
+    code = run.wait(timeout=timeout)
+    assert code == 0, (directory / "output.txt").read_text()[-3000:]
     return trained(directory)

@@ -19,6 +19,7 @@ def test_mpirun_with_two_ranks_equals_two_local_processes(mpirun, local_run, tmp
     why = test_hosts.unavailable()
     if why:
         pytest.skip(why)
+    local_run.start(2)  # beside mpirun's job
     project(tmp_path)
     argv = [mpirun, "-n", "2", "--allow-run-as-root", "shoal", "train", "--config",
             "examples/digits.yaml", *RUN, CHECKPOINTS]

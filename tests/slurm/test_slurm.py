@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,9 +27,10 @@ pytestmark = pytest.mark.slurm
 
 @pytest.fixture(scope="module")
 def reference(local_run):
-    """The run on 4 processes of this machine (module scope: this file's tests share one
-    test worker, and this run)."""
-    return local_run(4)
+    """``reference()``: the run on 4 processes of this machine, started now, beside the
+    cluster's job (module scope: this file's tests share one test worker, and this run)."""
+    local_run.start(4)
+    return lambda: local_run(4)
 
 
 def _script(directory: Path, *args: str) -> Path:
@@ -59,6 +61,32 @@ def _wait_for_steps(cluster, directory: Path, job: str) -> None:
         time.sleep(0.1)
 
 
+def _step_pythons(hosts, host: int, step: str) -> tuple[int, dict[int, int]]:
+    """Job step ``step``'s slurmstepd on ``host``, and the Python interpreters (this test's
+    own) below it, pid -> parent pid: the step's processes found by what they are, not by a
+    name that a user's paths (a venv's) may contain as well."""
+    python = os.path.realpath(sys.executable)
+    parents, pythons, stepd = {}, set(), None
+    for pid in hosts.pids(host):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+            if os.path.realpath(f"/proc/{pid}/exe") == python:
+                pythons.add(pid)
+            elif Path(f"/proc/{pid}/cmdline").read_bytes().startswith(
+                    f"slurmstepd: [{step}]".encode()):
+                stepd = pid
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    assert stepd is not None, f"no slurmstepd of step {step} on host{host}"
+
+    def below_stepd(pid: int) -> bool:
+        while pid in parents and pid != stepd:
+            pid = parents[pid]
+        return pid == stepd
+    return stepd, {pid: parents[pid] for pid in pythons if below_stepd(pid)}
+
+
 @pytest.mark.timeout(240)
 def test_sbatch_on_two_nodes_of_two_equals_four_local_processes(slurm_cluster, reference,
                                                                 tmp_path):
@@ -73,12 +101,13 @@ def test_sbatch_on_two_nodes_of_two_equals_four_local_processes(slurm_cluster, r
     for r in range(2):
         assert f"node {r} reaches the master host0 through eth0 " \
             f"({slurm_cluster.hosts.addr(r)})" in log, log
-    assert states_equal(trained(tmp_path), reference)
+    assert states_equal(trained(tmp_path), reference())
 
 
 @pytest.mark.timeout(240)
 def test_time_limit_warning_saves_requeues_and_resumes_bitwise(slurm_cluster, local_run,
                                                                tmp_path):
+    local_run.start(2)  # beside the job
     script = _script(tmp_path, "--nodes", "2", "--nproc-per-node", "1", "data.args.delay=0.02")
     job = slurm_cluster.sbatch(script, cwd=tmp_path, env=job_env())
     _wait_for_steps(slurm_cluster, tmp_path, job)
@@ -105,7 +134,7 @@ def test_srun_with_one_task_per_worker_equals_four_local_processes(slurm_cluster
         cwd=tmp_path, env={**slurm_cluster.env, **job_env()}, timeout=150, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "4 processes (2 nodes x 2) started by the scheduler" in out.stderr, out.stderr
-    assert states_equal(trained(tmp_path), reference)
+    assert states_equal(trained(tmp_path), reference())
 
 
 @pytest.mark.timeout(240)
@@ -114,16 +143,13 @@ def test_a_node_whose_steps_are_killed_is_named_and_the_job_fails(slurm_cluster,
     job = slurm_cluster.sbatch(script, cwd=tmp_path, env=job_env())
     _wait_for_steps(slurm_cluster, tmp_path, job)
     hosts = slurm_cluster.hosts
-    killed = []
-    for pid in hosts.pids(1):  # the step's processes on host1 (shoal and its worker) at once
-        try:
-            if b"shoal" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    # shoal and its worker, and the server the worker was forked from where there is one.
-    assert len(killed) in (2, 3), killed
+    stepd, pythons = _step_pythons(hosts, 1, f"{job}.0")
+    for pid in pythons:  # the step's processes on host1 at once, as a node whose steps die
+        os.kill(pid, signal.SIGKILL)
+    # One `shoal train` under slurmstepd, and below it its worker; where the worker was forked
+    # from a server, that server and the resource tracker Python starts with one as well.
+    assert list(pythons.values()).count(stepd) == 1, pythons
+    assert len(pythons) in (2, 4), pythons
     state = slurm_cluster.wait(job, timeout=120)
     log = _log(tmp_path, job)
     # srun's status is its worst task's: 128 + SIGKILL on host1.
