@@ -88,6 +88,7 @@ def test_a_declared_size_costs_nothing_before_its_bytes_arrive(serve):
 
 
 def test_idle_streams_starve_neither_the_health_check_nor_a_trainer(serve):
+    # 4 s: the idle streams must outlast the checks below on a loaded machine.
     server = serve("--read-timeout", "4")
     release = threading.Event()
     connections = [raw.channel(server.endpoint) for _ in range(4)]

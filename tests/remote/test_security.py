@@ -12,7 +12,7 @@ import torch
 from shoal.config.loader import validate_run_tree
 from shoal.errors import UsageError
 from shoal.remote import GrpcRemoteTier, RemoteModule, RemoteTierError
-from tests.helpers import run_shoal
+from tests.helpers import run_shoal_in_process
 from tests.remote.blocks import Block
 from tests.remote.runs import write_config
 
@@ -26,7 +26,7 @@ def _token_file(tmp_path: Path, token: str) -> Path:
 def test_missing_or_wrong_token_is_one_clear_error(serve, tmp_path, monkeypatch):
     server = serve("--token-file", str(_token_file(tmp_path, "s3cret")))
     config = write_config(tmp_path / "run", server.endpoint)
-    out = run_shoal("train", "--config", str(config))
+    out = run_shoal_in_process("train", "--config", str(config))  # refused before training
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         f"shoal train: error: remote tier {server.endpoint}: connect refused: no bearer token "
@@ -67,13 +67,13 @@ def test_off_loopback_needs_tls_or_an_explicit_insecure(tmp_path):
     tree["remote_hardware"] = {"endpoint": "198.18.0.2:50051", "insecure": True}
     assert validate_run_tree(tree, "t").remote_hardware.insecure
     # The server side: no plain text off loopback without --insecure, no open door without
-    # a token. Refused before anything listens.
-    out = run_shoal("remote", "serve", "--module", "tests.remote.blocks:block",
-                    "--host", "198.18.0.2")
+    # a token. Refused before anything listens (so in this process).
+    out = run_shoal_in_process("remote", "serve", "--module", "tests.remote.blocks:block",
+                               "--host", "198.18.0.2")
     assert out.returncode == 2
     assert "--host 198.18.0.2 is not loopback: give --tls-cert and --tls-key" in out.stderr
-    out = run_shoal("remote", "serve", "--module", "tests.remote.blocks:block",
-                    "--host", "198.18.0.2", "--insecure")
+    out = run_shoal_in_process("remote", "serve", "--module", "tests.remote.blocks:block",
+                               "--host", "198.18.0.2", "--insecure")
     assert out.returncode == 2 and "so give --token-file" in out.stderr
 
 
@@ -121,8 +121,8 @@ def test_a_token_too_large_for_the_metadata_is_named_with_its_size(tmp_path, mon
     monkeypatch.setenv("SHOAL_TEST_TOKEN", "tab\there")
     with pytest.raises(UsageError, match="holds characters other than printable ASCII"):
         GrpcRemoteTier({"endpoint": "127.0.0.1:50051", "token_env": "SHOAL_TEST_TOKEN"})
-    out = run_shoal("remote", "serve", "--module", "tests.remote.blocks:block", "--port", "0",
-                    "--token-file", str(big))
+    out = run_shoal_in_process("remote", "serve", "--module", "tests.remote.blocks:block",
+                               "--port", "0", "--token-file", str(big))  # refused at once
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         f"shoal remote serve: error: --token-file {big}: the token is 1,048,576 bytes; it "
