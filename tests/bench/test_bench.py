@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shoal.bench.allreduce import parse_size, sizes
-from tests.helpers import run_shoal
+from tests.helpers import run_shoal, run_shoal_in_process
 
 
 def test_allreduce_bandwidth_table(tmp_path):
@@ -27,7 +27,7 @@ def test_allreduce_bandwidth_table(tmp_path):
 def test_sizes_parse():
     assert parse_size("4K") == 4096 and parse_size("256M") == 256 * 2**20
     assert parse_size("100") == 100
-    bad = run_shoal("bench", "allreduce", "--max-size", "lots")
+    bad = run_shoal_in_process("bench", "allreduce", "--max-size", "lots")
     assert bad.returncode == 2 and "not a size" in bad.stderr
 
 
