@@ -91,9 +91,11 @@ def test_a_killed_workers_server_is_replaced_and_the_run_goes_on_bitwise(tmp_pat
                                 "--steps", "12", "--no-checkpoints", timeout=150)
         # The first attempt's workers are new processes; rank 1 kills itself after step 4, and
         # the second attempt's are forked from the server, which is then killed with them.
+        # Their 8 steps of 1 s (a sleep: no part of the state) leave the kill time to land
+        # while they train, also on a loaded machine (at 0.3 s a step, it once came late).
         launcher = subprocess.Popen(
             [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", "--max-restarts", "2",
-             JOB, str(killed), "--steps", "12", "--every", "2", "--step-sleep", "0.3",
+             JOB, str(killed), "--steps", "12", "--every", "2", "--step-sleep", "1.0",
              "--kills", json.dumps([[1, 4, "step"]])],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 90  # a hang guard: the restart comes within ~15 s
