@@ -17,7 +17,8 @@ def test_block_on_the_gpu_server_trains_like_local(tmp_path):
         assert torch.cuda.is_available()
         results = {}
         for name, endpoint in (("local", None), ("remote", server.endpoint)):
-            config = write_config(tmp_path / name, endpoint)
+            # The trainers on the CPU (gloo): two of them, and one GPU, which the server holds.
+            config = write_config(tmp_path / name, endpoint, backend="gloo")
             out = run_shoal("train", "--config", str(config), "--nproc-per-node", "2")
             assert out.returncode == 0, out.stderr[-3000:]
             results[name] = final_state(tmp_path / name)[0]["model"]
