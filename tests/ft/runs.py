@@ -5,10 +5,8 @@ together)."""
 from __future__ import annotations
 
 import os
-import selectors
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -16,6 +14,9 @@ import torch
 from tests.helpers import states_equal
 
 JOB = str(Path(__file__).with_name("live_job.py"))
+TIMEOUT = 240
+"""Seconds a run may take before the test fails: a hang guard (a run takes well under a
+minute alone, a few on a loaded 2-core machine)."""
 REPLACED_ONCE = ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
 """``pids`` of a run of 2 groups of 1 whose group 1 was started again once (group 0 never)."""
 
@@ -41,7 +42,7 @@ class Runs:
     def wait(self, name: str) -> tuple[Path, str]:
         out, process = self.started[name]
         if name not in self.outputs:
-            self.outputs[name] = output_until_exit(process)
+            self.outputs[name] = process.communicate(timeout=TIMEOUT)[0].decode()
             assert process.returncode == 0, self.outputs[name][-4000:]
         return out, self.outputs[name]
 
@@ -59,40 +60,10 @@ class Runs:
 
 
 def start_piped(cmd: list[str]) -> subprocess.Popen:
-    """``cmd`` with its output (stderr too) in an unbuffered pipe, read by
-    ``output_until_exit`` (``stdout.readline()`` reads no further than the line)."""
+    """``cmd`` with its output (stderr too) in an unbuffered pipe: ``stdout.readline()``
+    reads no further than the line, so that ``communicate`` then reads all the rest."""
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def output_until_exit(process: subprocess.Popen, timeout: float = 240) -> str:
-    """What ``process`` (from ``start_piped``) writes until it exits, not until its pipe
-    closes: the forkserver of each replica group of a live job holds the pipe for seconds
-    after the launcher has ended (torch's teardown). ``timeout``: a hang guard (a run here
-    takes well under a minute alone)."""
-    fd = process.stdout.fileno()
-    os.set_blocking(fd, False)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ)
-        while True:
-            ended = process.poll() is not None  # then all it wrote is in the pipe already
-            selector.select(0.1)
-            while True:
-                try:
-                    chunk = os.read(fd, 1 << 16)
-                except BlockingIOError:
-                    break
-                if not chunk:  # the pipe closed
-                    process.wait(max(deadline - time.monotonic(), 0.1))
-                    ended = True
-                    break
-                chunks.append(chunk)
-            if ended:
-                return b"".join(chunks).decode(errors="replace")
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(process.args, timeout)
 
 
 def final(out: Path, group: int = 0, rank: int = 0) -> dict:

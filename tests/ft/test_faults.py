@@ -14,7 +14,7 @@ import pytest
 
 from shoal.ft import FaultToleranceConfig
 from shoal.launch.ports import free_port
-from tests.ft.runs import final, output_until_exit, pids
+from tests.ft.runs import TIMEOUT, final, pids
 from tests.ft.test_live import (
     STEPS,
     _equals_ddp,
@@ -109,7 +109,7 @@ def test_the_users_lighthouse_gone_for_good_stops_the_job(tmp_path):
         os.kill(lighthouse.pid, signal.SIGKILL)
         lighthouse.wait()
         (live / "go").write_text("")
-        output = output_until_exit(process)
+        output = process.communicate(timeout=TIMEOUT)[0].decode()
     finally:
         for child in (process, lighthouse):
             if child.poll() is None:

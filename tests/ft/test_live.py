@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.examples.digits import build_data, build_model
-from tests.ft.runs import final, output_until_exit, pids, start_piped
+from tests.ft.runs import TIMEOUT, final, pids, start_piped
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
@@ -39,7 +39,7 @@ def _shoal_run(out: Path, *flags: str, job: tuple[str, ...] = (),
 
 
 def _finish(process: subprocess.Popen) -> str:
-    output = output_until_exit(process)
+    output = process.communicate(timeout=TIMEOUT)[0].decode()
     assert process.returncode == 0, output[-4000:]
     return output
 

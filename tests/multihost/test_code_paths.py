@@ -3,7 +3,6 @@
 import subprocess
 
 from tests.config.test_code_paths import imported_by, write_project
-from tests.ft.runs import output_until_exit
 from tests.multihost.test_multinode import _env, _shoal
 
 PORT = 29640
@@ -22,7 +21,7 @@ def test_workers_on_both_hosts_import_the_modules_beside_the_config(make_hosts, 
                          cwd=elsewhere, env={**_env(), "MARKS": str(marks)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
-    outputs = [output_until_exit(node, timeout=150) for node in nodes]
+    outputs = [node.communicate(timeout=150)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     # Each host's launcher checks the builders, and its two workers build from them.
     for module in ("mymodel", "mydata", "myloss"):

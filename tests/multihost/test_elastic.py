@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from tests.ft.runs import output_until_exit
 from tests.multihost.test_multinode import JOB, _env, _local, _shoal
 
 PORT = 29410
@@ -50,9 +49,9 @@ def test_survivor_of_a_dead_host_resumes_and_keeps_the_sample_sequence(make_host
     # Past the checkpoint of step 4 (its commit marker, written last).
     _wait_for(job / "checkpoints" / "step_000000004" / "COMMIT.json", hosts, nodes)
     hosts.kill_all(1)  # every process of host 1 at once, as a machine that dies
-    output = output_until_exit(nodes[0], timeout=200)
+    output = nodes[0].communicate(timeout=200)[0]
     assert nodes[0].returncode == 0, output
-    out = output_until_exit(alone, timeout=120)
+    out = alone.communicate(timeout=120)[0]
     assert alone.returncode == 0, out
     assert hosts.pids(1) == []
     # Before the loss: 2 ranks. After: host 0 alone resumed from the last checkpoint,
@@ -82,7 +81,7 @@ def test_a_host_whose_link_goes_down_is_named_and_nothing_is_left(make_hosts, tm
     _wait_for(tmp_path / "ready", hosts, nodes)
     cut = time.monotonic()
     hosts.set_link(1, up=False)
-    outputs = [output_until_exit(node, timeout=120) for node in nodes]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
     took = time.monotonic() - cut
     assert all(node.returncode != 0 for node in nodes), outputs
     assert f"node host1 ({hosts.addr(1)}) has not been heard from" in outputs[0], outputs[0]

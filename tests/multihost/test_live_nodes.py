@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.ft.runs import final, output_until_exit
+from tests.ft.runs import final
 from tests.ft.test_live import JOB, STEPS, _equals_ddp, _finish, _shoal_run
 from tests.helpers import states_equal
 from tests.multihost.test_multinode import _env
@@ -70,7 +70,7 @@ def test_available_host_lost_the_other_goes_on(make_hosts, tmp_path, loss):
         _kill_host(hosts, 1)
     else:  # nothing is closed: host 0's all-reduce of the step waits step_timeout_s
         hosts.set_link(1, up=False)
-    output = output_until_exit(nodes[0], timeout=300)
+    output = nodes[0].communicate(timeout=300)[0]
     assert nodes[0].returncode == 0, output[-4000:]
     assert f"lighthouse http://{hosts.addr(0)}:{PORT}" in output, output[-4000:]
     assert f"node 0 runs replica group 0 of 2 (1 process each) at {hosts.addr(0)}" in output
@@ -92,7 +92,7 @@ def test_two_groups_per_host_hold_one_model_close_to_four_ddp_processes(make_hos
     out = tmp_path / "live"
     out.mkdir()
     nodes = [_start(hosts, r, out, "--replica-groups", "2") for r in range(2)]
-    outputs = [output_until_exit(node, timeout=300) for node in nodes]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "node 1 runs replica groups 2, 3 of 4" in outputs[1], outputs[1]
     _finish(ddp)
@@ -116,13 +116,13 @@ def test_exact_group_lost_for_good_its_node_stops_and_comes_back(make_hosts, tmp
     out.mkdir()
     argv = (["--max-restarts", "0"], ["--kill", "1:6"])
     nodes = [_start(hosts, r, out, *argv[0], job=argv[1]) for r in range(2)]
-    lost = output_until_exit(nodes[1], timeout=200)
+    lost = nodes[1].communicate(timeout=200)[0]
     assert nodes[1].returncode != 0, lost
     assert "replica group 1 failed for good (exit code 137): policy exact needs every group, " \
         "so this node's launcher stops" in lost, lost
     assert "falling back" not in lost
     again = _start(hosts, 1, out, *argv[0], job=argv[1])
-    outputs = [output_until_exit(nodes[0], timeout=300), output_until_exit(again, timeout=100)]
+    outputs = [nodes[0].communicate(timeout=300)[0], again.communicate(timeout=100)[0]]
     assert [nodes[0].returncode, again.returncode] == [0, 0], outputs
     assert "replica group 1: healed from a live group at step 6" in outputs[1], outputs[1]
     assert not (out / "pid.g0.a1.r0").exists()
@@ -149,7 +149,7 @@ def test_exact_host_0_lost_with_the_lighthouse_comes_back_and_equals_ddp(make_ho
     _kill_host(hosts, 0)
     nodes[0].communicate()
     again = _start(hosts, 0, out, "--ft-step-timeout", "5")
-    outputs = [output_until_exit(again, timeout=400), output_until_exit(nodes[1], timeout=100)]
+    outputs = [again.communicate(timeout=400)[0], nodes[1].communicate(timeout=100)[0]]
     assert [again.returncode, nodes[1].returncode] == [0, 0], outputs
     assert "replica group 0: healed from a live group at step" in outputs[0], outputs[0]
     assert not (out / "pid.g1.a1.r0").exists()  # host 1's group was never restarted

@@ -6,7 +6,6 @@ import sys
 
 import torch
 
-from tests.ft.runs import output_until_exit
 from tests.helpers import REPO
 
 JOB = os.path.join(REPO, "tests", "checkpoint", "job.py")
@@ -22,8 +21,7 @@ def _env() -> dict:
 
 
 def _local(*args: str) -> subprocess.Popen:
-    """``shoal ARGS`` on this machine, started now (it runs beside the hosts' job); read its
-    output with ``output_until_exit``."""
+    """``shoal ARGS`` on this machine, started now (it runs beside the hosts' job)."""
     return subprocess.Popen(_shoal(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
 
@@ -43,13 +41,13 @@ def test_two_hosts_of_two_match_four_processes_on_one_host(make_hosts, tmp_path)
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
              for r in range(2)]
-    outputs = [output_until_exit(node, timeout=120) for node in nodes]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     # Each node names the interface it chose: the namespace's eth0, not loopback.
     for r, out in enumerate(outputs):
         assert f"node {r} reaches the master {hosts.addr(0)} through eth0 ({hosts.addr(r)})" \
             in out, out
-    output = output_until_exit(local, timeout=120)
+    output = local.communicate(timeout=120)[0]
     assert local.returncode == 0, output
     across = torch.load(tmp_path / "hosts" / "final.pt")
     alone = torch.load(tmp_path / "local" / "final.pt")

@@ -3,7 +3,6 @@ two processes on host 1; the result is bit for bit the all-local run's."""
 
 import subprocess
 
-from tests.ft.runs import output_until_exit
 from tests.helpers import REPO, states_equal
 from tests.multihost.test_multinode import _env, _local, _shoal
 from tests.remote.runs import final_state, write_config
@@ -31,7 +30,7 @@ def test_block_on_another_host_trains_bitwise_like_local(make_hosts, tmp_path):
     out = hosts.run(1, _shoal("train", "--config", str(remote), "--nproc-per-node", "2"),
                     cwd=REPO, env=_env(), capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-3000:]
-    output = output_until_exit(alone, timeout=150)
+    output = alone.communicate(timeout=150)[0]
     assert alone.returncode == 0, output[-3000:]
     (a, _), (b, meta) = final_state(tmp_path / "local"), final_state(tmp_path / "remote")
     assert meta["global_step"] == 12
