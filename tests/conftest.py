@@ -4,8 +4,6 @@ import os
 
 import pytest
 
-from tests import ordering
-
 pytest_plugins = ["tests.ordering"]
 
 # Set before any test starts processes: children inherit one compute thread each.
@@ -26,6 +24,8 @@ def pytest_xdist_make_scheduler(config, log):
     (one job whose results its tests check) go to one worker, so the job runs once, not once
     per worker. (pytest-xdist's own ``xdist_group`` marks are lost on pytest 9's node ids.)"""
     from xdist.scheduler import LoadScopeScheduling
+
+    from tests import ordering  # here, not at the top: pytest_plugins imports it first
 
     config.option.loadscopereorder = False  # keep the order tests/ordering.py made
 
