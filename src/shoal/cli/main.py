@@ -20,11 +20,14 @@ from shoal.cli import slurm as slurm_cmd
 from shoal.cli import train as train_cmd
 from shoal.cli.parser import Parser
 from shoal.errors import UsageError
+from shoal.version import __version__
 
 
 def build_parser() -> tuple[Parser, dict[str, Parser]]:
     """The `shoal` parser, and its subparsers that take overrides among their flags."""
-    parser = Parser(prog="shoal", description="Distributed PyTorch training that keeps running.")
+    parser = Parser(prog="shoal", description="Distributed PyTorch training that keeps running.",
+                    epilog="Run 'shoal COMMAND --help' for what a command does and its options.")
+    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     subparsers.required = True
     run_cmd.register(subparsers)
