@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from shoal.errors import UsageError
+from shoal.extras import extra_of, install_line, require
 
 
 def default_code_paths(config_file: str | Path | None) -> list[str]:
@@ -55,6 +56,9 @@ def import_builder(path: str, where: str) -> Any:
         target = getattr(target, name)
     if not callable(target):
         raise UsageError(f"{where}: {path!r} is not callable")
+    extra = getattr(target, "shoal_extra", None)  # shoal.extras.needs
+    if extra is not None:
+        require(extra, f"{where}: {path}")
     return target
 
 
@@ -66,9 +70,11 @@ def import_module(module_name: str, path: str) -> ModuleType:
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if not (module_name == missing or module_name.startswith(missing + ".")):
-            # The user's module imports something that is not installed.
+            # The module imports something that is not installed: one of shoal's extras?
+            extra = extra_of(missing)
+            install = f": {install_line(extra)}" if extra else " (ModuleNotFoundError)"
             raise UsageError(f"cannot import {path!r}: it imports {missing!r}, which is not "
-                             f"installed (ModuleNotFoundError)") from None
+                             f"installed{install}") from None
         raise UsageError(f"cannot import {path!r}: no module named {missing!r}"
                          f"{_module_hint(missing)}; looked in {_searched()}; add a directory "
                          f"with PYTHONPATH=DIR") from None

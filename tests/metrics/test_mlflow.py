@@ -103,7 +103,7 @@ def test_without_the_mlflow_package_the_config_names_the_extra(tmp_path, monkeyp
                                f"run.dir={tmp_path}", "trainer.metrics.mlflow=true")
     assert out.returncode == 2
     assert out.stderr == ("shoal train: error: invalid configuration: trainer.metrics.mlflow: "
-                          "MLflow logging needs the mlflow package: pip install shoal[mlflow]\n")
+                          "MLflow logging needs the mlflow package: pip install 'shoal[mlflow]'\n")
 
 
 def test_a_database_store_without_the_full_package_is_one_line(tmp_path, monkeypatch):

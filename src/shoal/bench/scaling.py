@@ -10,11 +10,13 @@ Writes scaling.json and scaling.png in the output directory.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from shoal.config.loader import save_run_config
 from shoal.config.schema import RunConfig
 from shoal.errors import LaunchError
+from shoal.extras import install_line, installed
 from shoal.launch import LaunchSpec, launch
 
 
@@ -60,7 +62,11 @@ def run_scaling(config: RunConfig, max_nproc: int, steps: int, warmup: int,
         row["speedup"] = row["samples_per_s"] / base
         row["efficiency"] = row["speedup"] / row["world_size"]
     (out / "scaling.json").write_text(json.dumps(rows, indent=1))
-    _chart(rows, out / "scaling.png")
+    if installed("plot"):
+        _chart(rows, out / "scaling.png")
+    else:
+        print(f"shoal: no scaling.png: the chart needs matplotlib ({install_line('plot')})",
+              file=sys.stderr, flush=True)
     return rows
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from shoal.errors import UsageError
+from shoal.extras import require
 
 TOKEN_VARIABLE = "SHOAL_DASHBOARD_TOKEN"
 
@@ -101,6 +102,7 @@ def open_server(args: argparse.Namespace, directories: list[str], **settings):
 
 
 def dashboard_command(args: argparse.Namespace) -> int:
+    require("dashboard", "the dashboard")
     from shoal.dashboard.alerts import AlertSettings
     from shoal.dashboard.server import url_of
 
@@ -131,6 +133,7 @@ def serve_during(args: argparse.Namespace, directory: str | None):
     if not getattr(args, "dashboard", False) or directory is None:
         yield
         return
+    require("dashboard", "--dashboard")
     from shoal.dashboard.server import url_of
 
     server, token = open_server(args, [directory])

@@ -10,6 +10,7 @@ import sys
 import threading
 
 from shoal.errors import UsageError
+from shoal.extras import require
 
 # The server's defaults (shoal.remote.server.ServeLimits, service.SESSION_TTL_S), written
 # out so that the CLI starts without importing torch and grpc.
@@ -68,6 +69,7 @@ def _read(path: str, flag: str) -> bytes:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    require("remote", "shoal remote serve")
     import torch
 
     from shoal.config.loader import read_yaml

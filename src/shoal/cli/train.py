@@ -20,6 +20,7 @@ from shoal.cli.run import (
     start,
 )
 from shoal.errors import UsageError
+from shoal.extras import require
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -59,6 +60,8 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
     entry = "shoal.launch.rl_entry" if rl else "shoal.launch.train_entry"
     if args.nproc_per_node is not None:
         config.run.nproc_per_node = args.nproc_per_node  # validated again by spec_from_args
+    if getattr(args, "dashboard", False):
+        require("dashboard", "--dashboard")  # before anything starts or is written
     if getattr(args, "dashboard", False) and args.log_dir is None:
         # Logs and heartbeats in the run directory: the dashboard names a rank that stops.
         args.log_dir = str(Path(config.run.dir) / "logs")

@@ -11,7 +11,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from shoal.extras import needs, require
 
+
+@needs("examples")
 def build_data(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """Train and validation splits; pixels scaled to [0, 1]. Needs no download."""
     pixels, labels = load_digits()
@@ -27,6 +30,7 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     """The 1797 images (pixels 0..16, one row of 64 each) and their labels, as scikit-learn's
     ``load_digits`` gives them. The file scikit-learn ships is read directly: importing
     scikit-learn costs about a second in every worker."""
+    require("examples", "the digits data (shipped with scikit-learn)")
     spec = importlib.util.find_spec("sklearn")  # finds the package without running it
     path = os.path.join(os.path.dirname(spec.origin), "datasets", "data", "digits.csv.gz") \
         if spec is not None and spec.origin else ""

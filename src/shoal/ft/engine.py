@@ -19,12 +19,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import UsageError
+from shoal.extras import install_line
 from shoal.ft.config import FaultToleranceConfig, ReplicaPlace
 
 if TYPE_CHECKING:
     import torch
 
-_MISSING = "live recovery needs torchft: pip install shoal[ft]"
+_MISSING = f"live recovery needs torchft: {install_line('ft')}"
 
 
 def _torchft() -> Any:

@@ -28,8 +28,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shoal.errors import UsageError
+from shoal.extras import install_line
 
-INSTALL = "pip install shoal[mlflow]"
+INSTALL = install_line("mlflow")
 # MLflow's limits of one log_batch request and of a param's value.
 _BATCH_METRICS, _BATCH_PARAMS, _PARAM_LENGTH = 1000, 100, 6000
 _DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQL stores

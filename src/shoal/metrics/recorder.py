@@ -17,6 +17,7 @@ import time
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shoal.extras import require
 from shoal.metrics.flops import peak_flops
 from shoal.metrics.mlflow import MLflowConfig, MLflowRun, status_of
 from shoal.metrics.resources import FIELDS as RESOURCE_FIELDS
@@ -53,8 +54,17 @@ class MetricsConfig(BaseModel):
     dir: str | None = None
     """Where rank 0 writes metrics.jsonl and tensorboard/ (shoal train: the run directory);
     unset: no files, the console summary only."""
-    tensorboard: bool = True
-    """Also write TensorBoard event files (needs the tensorboard package)."""
+    tensorboard: bool | None = None
+    """Also write TensorBoard event files. None: when the tensorboard package is installed
+    (``shoal[tensorboard]``); true: always, and a run without the package is refused before
+    it starts; false: never."""
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, value: bool | None) -> bool | None:
+        if value:
+            require("tensorboard", "trainer.metrics.tensorboard: true")
+        return value
     straggler_threshold: float = Field(0.2, gt=0)
     """A rank is named a straggler when its busy time per step exceeds the median rank's by
     more than this fraction of the median step time."""

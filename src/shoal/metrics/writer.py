@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
+
+from shoal.extras import installed, require
 
 JSONL = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -26,19 +27,21 @@ def _clean(value: Any) -> Any:
 class MetricsWriter:
     """The one writer of a run's metrics (rank 0): a line per record, flushed as written."""
 
-    def __init__(self, directory: str | Path, tensorboard: bool = True):
+    def __init__(self, directory: str | Path, tensorboard: bool | None = None):
+        """``tensorboard``: True, False, or None (when the tensorboard package is
+        installed)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.dir / JSONL, "a", buffering=1)  # noqa: SIM115 - closed in close
         self._tb = None
+        if tensorboard is None:
+            tensorboard = installed("tensorboard")
+        elif tensorboard:
+            require("tensorboard", "TensorBoard files of the step metrics")
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                print("shoal: tensorboard is not installed: metrics go to JSON lines only "
-                      "(pip install tensorboard)", file=sys.stderr, flush=True)
-            else:
-                self._tb = SummaryWriter(log_dir=str(self.dir / TENSORBOARD))
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.dir / TENSORBOARD))
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(_clean(record)) + "\n")

@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from shoal.errors import UsageError
+from shoal.extras import install_line
 
-EXTRA = "pip install 'shoal[hf]'"
+EXTRA = install_line("hf")
 
 
 def require_transformers() -> ModuleType:

@@ -1,16 +1,38 @@
-"""The remote hardware tier: part of a model runs on another machine's accelerator."""
+"""The remote hardware tier: part of a model runs on another machine's accelerator.
 
-from shoal.remote.client import GrpcRemoteTier
-from shoal.remote.module import RemoteModule, remote_modules
-from shoal.remote.tier import (
-    Capabilities,
-    RemoteConfig,
-    RemoteTier,
-    RemoteTierError,
-    current,
-    load_tier,
-    using,
-)
+The names below are imported on first use: the Trainer imports this package, and only the
+gRPC tier (``GrpcRemoteTier``, the extra ``shoal[remote]``) needs gRPC.
+"""
 
-__all__ = ["Capabilities", "GrpcRemoteTier", "RemoteConfig", "RemoteModule", "RemoteTier",
-           "RemoteTierError", "current", "load_tier", "remote_modules", "using"]
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "GrpcRemoteTier": "shoal.remote.client",
+    "RemoteModule": "shoal.remote.module",
+    "remote_modules": "shoal.remote.module",
+    "Capabilities": "shoal.remote.tier",
+    "NeedsState": "shoal.remote.tier",
+    "RemoteConfig": "shoal.remote.tier",
+    "RemoteTier": "shoal.remote.tier",
+    "RemoteTierError": "shoal.remote.tier",
+    "current": "shoal.remote.tier",
+    "load_tier": "shoal.remote.tier",
+    "using": "shoal.remote.tier",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shoal.remote' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

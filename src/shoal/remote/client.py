@@ -15,15 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shoal.errors import UsageError
 from shoal.remote import wire
 from shoal.remote.server import NEEDS_STATE, SERVICE, channel_options
-from shoal.remote.tier import Capabilities, RemoteConfig, RemoteTierError
+from shoal.remote.tier import Capabilities, NeedsState, RemoteConfig, RemoteTierError
 
 # Lost connections: tried again with the same request id.
 _RETRY = {grpc.StatusCode.UNAVAILABLE}
 WAIT_LINE_EVERY_S = 10.0  # while on_failure 'wait' waits, one line this often
-
-
-class NeedsState(RemoteTierError):
-    """The server holds no module state for this session (new, or the server restarted)."""
 
 
 class GrpcRemoteTier:

@@ -21,8 +21,7 @@ from torch import nn
 
 from shoal.errors import UsageError
 from shoal.remote import tier as tiers
-from shoal.remote.client import NeedsState
-from shoal.remote.tier import RemoteTier, RemoteTierError
+from shoal.remote.tier import NeedsState, RemoteTier, RemoteTierError
 from shoal.runtime.heartbeat import last_step
 
 _bound: set[int] = set()

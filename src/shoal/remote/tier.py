@@ -39,6 +39,10 @@ class RemoteTierError(RuntimeError):
     """A remote call failed; the message names the endpoint, the call and the step."""
 
 
+class NeedsState(RemoteTierError):
+    """The server holds no module state for this session (new, or the server restarted)."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a remote tier serves: the module (by import path), where it runs, and the names,

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from shoal.extras import require
 from shoal.imports import import_module
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -45,6 +46,7 @@ def _import_registering_module(env_id: str) -> str:
 def check_env(env_id: str) -> EnvInfo:
     """The environment's spaces; a ValueError naming the closest ids when ``env_id`` is not
     registered, or the space when the learner cannot handle it."""
+    require("rl", "reinforcement learning (an rl: run)")
     import gymnasium as gym
 
     name = _import_registering_module(env_id)
