@@ -104,5 +104,5 @@ def test_live_mode_without_the_launcher_is_one_line(single_process):
 def test_missing_torchft_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)
     with pytest.raises(UsageError, match=r"live recovery needs torchft: pip install "
-                                         r"shoal\[ft\]"):
+                                         r"'shoal\[ft\]'"):
         check_available()
