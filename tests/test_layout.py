@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # The floors, lowest first. A top-level folder or module of shoal/ sits on exactly one; "" is
 # the package itself (its lazy public names) and sits on top with the command line.
 FLOORS = [
-    ("base", {"errors", "version", "imports", "extras"}),
+    ("base", {"errors", "version", "imports", "extras", "lazy"}),
     ("runtime", {"runtime"}),
     ("building blocks", {"parallel", "checkpoint", "metrics", "data", "models", "ft"}),
     ("training", {"training"}),

@@ -8,8 +8,7 @@ compiler modules unless it uses them.
 # ruff: noqa: F401 - the imports under TYPE_CHECKING are the names of __all__, for editors
 from __future__ import annotations
 
-import importlib
-
+from shoal.lazy import lazy_names
 from shoal.version import __version__ as __version__
 
 # typing is not imported: a worker of `shoal run` imports this package before the user's
@@ -45,17 +44,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shoal' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
 
 
 if TYPE_CHECKING:  # what type checkers and editors see

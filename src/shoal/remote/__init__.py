@@ -6,7 +6,7 @@ gRPC tier (``GrpcRemoteTier``, the extra ``shoal[remote]``) needs gRPC.
 
 from __future__ import annotations
 
-import importlib
+from shoal.lazy import lazy_names
 
 _LAZY = {
     "GrpcRemoteTier": "shoal.remote.client",
@@ -25,14 +25,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shoal.remote' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
