@@ -145,6 +145,30 @@ def test_new_lines_reach_the_page_as_they_are_written(serve, two_runs):
         stream.close()
 
 
+def test_lines_written_just_before_the_server_stops_reach_the_page(two_runs):
+    """`shoal train --dashboard` stops its server as soon as the job ends, moments after the
+    run wrote its end: the page still gets that line, then 'closed'. The poller's interval
+    here is an hour, so only the read that stopping makes can bring it."""
+    from shoal.dashboard.server import Server, create_app
+
+    a, _ = two_runs
+    server = Server(create_app([a], interval=3600), "127.0.0.1", 0).start()
+    stream = EventStream(f"http://127.0.0.1:{server.port}")
+    try:
+        name, snapshot = stream.next()
+        assert name == "snapshot" and len(snapshot["runs"][0]["points"]) == 40
+        _append(a, [step_line(41), event_line("end", 41)])
+        server.stop()
+        name, changes = stream.next()
+        assert name == "changes", (name, changes)
+        assert [p["step"] for p in changes[0]["points"]] == [41]
+        assert [e["kind"] for e in changes[0]["events"]] == ["end"]
+        assert stream.next()[0] == "closed"
+    finally:
+        stream.close()
+        server.stop()
+
+
 def test_alerts_go_to_the_page_and_to_the_terminal(serve, two_runs):
     a, _ = two_runs
     said = []

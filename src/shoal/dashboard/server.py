@@ -106,11 +106,22 @@ class Hub:
                      "polling goes on)")
 
     def close(self) -> None:
-        """Tell every open page that the server stops (from any thread): its stream ends
+        """Tell every open page that the server stops (from any thread): the files are read
+        once more first, so that a page gets the last lines the run wrote (its end, written
+        moments before `shoal train --dashboard` stops the server) before its stream ends
         with a 'closed' event, and the page does not wait for it to come back."""
-        for queue in list(self.listeners) if self.loop is not None else ():
-            with contextlib.suppress(RuntimeError):  # the loop closed already
-                self.loop.call_soon_threadsafe(queue.put_nowait, None)
+        if self.loop is None:
+            return
+
+        def last_read_then_close() -> None:  # on the loop, as every poll is
+            changes = self.poll()
+            for queue in list(self.listeners):
+                if changes:
+                    _hand(queue, changes)
+                queue.put_nowait(None)
+
+        with contextlib.suppress(RuntimeError):  # the loop closed already
+            self.loop.call_soon_threadsafe(last_read_then_close)
 
     def snapshot(self) -> dict:
         return {"runs": [{**run.snapshot(), "alerts": self.alerts[run.index]}
