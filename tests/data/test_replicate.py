@@ -245,7 +245,9 @@ def test_three_nodes_get_only_the_chunks_they_lack(tmp_path):
     shutil.copytree(tmp_path / "src", dests[1])
     with open(os.path.join(dests[1], "big.bin"), "r+b") as f:  # node 1: chunk 2 damaged
         f.seek(2 * CHUNK)
-        f.write(b"x")
+        byte = f.read(1)[0]
+        f.seek(2 * CHUNK)
+        f.write(bytes([byte ^ 0xFF]))  # a changed byte (b"x" was already there once in 256)
     os.remove(os.path.join(dests[1], "a.txt"))  # and one file missing
     os.makedirs(os.path.join(dests[2]))  # node 2: big.bin interrupted after 6 chunks
     with open(os.path.join(dests[2], f"big.bin{PART_SUFFIX}"), "wb") as f:
