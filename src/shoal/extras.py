@@ -39,8 +39,7 @@ EXTRAS: dict[str, Extra] = {
     "rl": Extra(("gymnasium",), "reinforcement learning (shoal rl)"),
     "examples": Extra(("sklearn",), "the digits example's data (scikit-learn's digits)",
                       ("scikit-learn",)),
-    "plot": Extra(("matplotlib",), "the scaling benchmark's plot (shoal bench scaling "
-                                   "--plot)"),
+    "plot": Extra(("matplotlib",), "the chart of shoal bench scaling (scaling.png)"),
     "hf": Extra(("transformers", "datasets"), "Hugging Face models and datasets"),
     "mlflow": Extra(("mlflow",), "logging runs to MLflow (trainer.metrics.mlflow)"),
     "ft": Extra(("torchft",), "live recovery (--replica-groups, fault_tolerance.mode: "

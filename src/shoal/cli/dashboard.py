@@ -133,8 +133,7 @@ def serve_during(args: argparse.Namespace, directory: str | None):
     if not getattr(args, "dashboard", False) or directory is None:
         yield
         return
-    require("dashboard", "--dashboard")
-    from shoal.dashboard.server import url_of
+    from shoal.dashboard.server import url_of  # launch_run checked shoal[dashboard] first
 
     server, token = open_server(args, [directory])
     server.start()

@@ -62,9 +62,9 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
         config.run.nproc_per_node = args.nproc_per_node  # validated again by spec_from_args
     if getattr(args, "dashboard", False):
         require("dashboard", "--dashboard")  # before anything starts or is written
-    if getattr(args, "dashboard", False) and args.log_dir is None:
-        # Logs and heartbeats in the run directory: the dashboard names a rank that stops.
-        args.log_dir = str(Path(config.run.dir) / "logs")
+        if args.log_dir is None:
+            # Logs and heartbeats in the run directory: the dashboard names a rank that stops.
+            args.log_dir = str(Path(config.run.dir) / "logs")
     cluster = detect_cluster(args)
     spec = spec_from_args(args, entry, [], module=True,
                           nproc_default=config.run.nproc_per_node, cluster=cluster,
