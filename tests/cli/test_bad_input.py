@@ -104,3 +104,10 @@ def test_compression_needs_the_ddp_strategy():
     out = run_shoal_in_process("train", "--config", DIGITS, "trainer.strategy=diloco",
                                "trainer.compression=topk")
     _assert_one_line_error(out, "compression 'topk'", "strategy 'diloco'")
+
+
+def test_scaling_of_a_reinforcement_learning_run_is_refused(tmp_path):
+    out = run_shoal_in_process("bench", "scaling", "--config", "examples/cartpole.yaml",
+                               "--out", str(tmp_path))
+    _assert_one_line_error(out, "shoal bench scaling measures a Trainer's steps",
+                           "examples/cartpole.yaml is a reinforcement learning run")

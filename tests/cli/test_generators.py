@@ -75,6 +75,17 @@ def test_requeue_keeps_the_configs_checkpoint_dir():
     assert requeue_overrides(config) == []
 
 
+def test_sbatch_of_a_reinforcement_learning_run_resumes_its_rl_section(capsys):
+    config = load_run_config("examples/cartpole.yaml")  # it names both
+    assert requeue_overrides(config) == []
+    unset = ["rl.checkpoint_dir=null", "rl.resume=null", "rl.checkpoint_every=null"]
+    code, script, err = _cli(capsys, "slurm", "--config", "examples/cartpole.yaml",
+                             "--nodes", "1", *unset)
+    assert code == 0, err
+    assert _srun_line(script)[-5:] == [*unset, "rl.checkpoint_dir=runs/cartpole/checkpoints",
+                                       "rl.resume=auto"]
+
+
 def test_sbatch_without_gpus_runs_one_worker_per_node():
     script = sbatch_script(SlurmJob(config=DIGITS, nodes=1))
     assert "--gpus-per-node" not in script and "--time" not in script

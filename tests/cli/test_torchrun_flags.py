@@ -119,6 +119,28 @@ def test_the_shown_streams_follow_redirects_and_tee(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_logs_specs_plugin_gets_the_streams_torchrun_would_show(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing import Std
+
+    # An installed plugin (entry point group torchrun.logs_specs), here torch's own class.
+    info = tmp_path / "site" / "mine_logs-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mine-logs\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[torchrun.logs_specs]\nmine = torch.distributed.elastic.multiprocessing:"
+        "DefaultLogsSpecs\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    script = tmp_path / "train.py"
+    script.write_text("")
+    args = _shoal_run_parser().parse_args(["--nproc_per_node=3", "--redirects=3", "--tee=0:1",
+                                           "--logs_specs=mine", str(script)])
+    specs = build_launch_config(spec_from_args(args, args.entry, args.args, args.module),
+                                str(tmp_path)).logs_specs
+    assert specs._redirects == Std.ALL  # everything logged; teed back: rank 0's stdout
+    assert specs._tee == {0: Std.OUT, 1: Std.NONE, 2: Std.NONE}
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv, says", [
     (["--rdzv_backend=etcd"], "--rdzv-backend etcd: shoal meets through torch's own store"),
     (["--standalone", "--nnodes=2"], "--standalone runs on one node"),

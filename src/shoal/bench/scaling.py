@@ -56,6 +56,7 @@ def run_scaling(config: RunConfig, max_nproc: int, steps: int, warmup: int,
         if code != 0:
             raise LaunchError(f"the run at {world} processes failed (exit code {code}); "
                               f"its files are in {job.run.dir}")
+        assert job.run.dir is not None  # set by _job
         rows.append({"world_size": world, **_measure(Path(job.run.dir), warmup)})
     base = rows[0]["samples_per_s"]
     for row in rows:

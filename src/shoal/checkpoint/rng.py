@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -11,7 +12,9 @@ import torch
 def capture() -> dict[str, torch.Tensor]:
     """torch (CPU and each CUDA device), numpy and python RNG states, as tensors only."""
     version, words, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy's stub gives the dict of legacy=False; the default (legacy) is the tuple
+    kind, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray[Any, Any], int, int, float]",
+                                              np.random.get_state())
     state = {
         "torch": torch.get_rng_state(),
         "python": torch.tensor([version, *words], dtype=torch.int64),

@@ -17,7 +17,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -175,7 +175,8 @@ class CheckpointStore:
         if not self.root.is_dir():
             return []
         found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-        return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+        return sorted(found, key=lambda p: int(
+            cast("re.Match[str]", _STEP_DIR.match(p.name)).group(1)))  # matched above
 
     @staticmethod
     def problem(path: Path) -> str | None:

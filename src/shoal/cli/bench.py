@@ -66,10 +66,14 @@ def allreduce_command(args: argparse.Namespace) -> int:
 def scaling_command(args: argparse.Namespace) -> int:
     from shoal.bench.scaling import run_scaling, table
     from shoal.config.loader import load_run_config
+    from shoal.config.schema import RunConfig
 
     if args.max_nproc < 1 or args.steps <= args.warmup or args.warmup < 0:
         raise UsageError("need --max-nproc >= 1 and --steps > --warmup >= 0")
     config = load_run_config(args.config, args.overrides)
+    if not isinstance(config, RunConfig):
+        raise UsageError(f"shoal bench scaling measures a Trainer's steps: {args.config} is a "
+                         "reinforcement learning run (its rl: section)")
     out = Path(args.out or Path("runs") / f"scaling-{Path(args.config).stem}")
     out.mkdir(parents=True, exist_ok=True)
     rows = run_scaling(config, args.max_nproc, args.steps, args.warmup, out)

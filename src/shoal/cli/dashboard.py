@@ -78,7 +78,7 @@ def _token(args: argparse.Namespace) -> str | None:
     return token
 
 
-def open_server(args: argparse.Namespace, directories: list[str], **settings):
+def open_server(args: argparse.Namespace, directories: list[str | Path], **settings):
     """The dashboard of ``directories``, checked and ready to serve, and what to tell."""
     from shoal.dashboard.hosts import HostRule
     from shoal.dashboard.server import Server, create_app

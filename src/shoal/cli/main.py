@@ -6,6 +6,7 @@ import atexit
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from shoal.cli import bench as bench_cmd
 from shoal.cli import dashboard as dashboard_cmd
@@ -22,8 +23,11 @@ from shoal.cli.parser import Parser
 from shoal.errors import UsageError
 from shoal.version import __version__
 
+if TYPE_CHECKING:
+    import argparse
 
-def build_parser() -> tuple[Parser, dict[str, Parser]]:
+
+def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     """The `shoal` parser, and its subparsers that take overrides among their flags."""
     parser = Parser(prog="shoal", description="Distributed PyTorch training that keeps running.",
                     epilog="Run 'shoal COMMAND --help' for what a command does and its options.")
@@ -41,7 +45,7 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     intermixed = {"train": train, "rl": rl_cmd.register(subparsers),
                   "slurm": slurm_cmd.register(subparsers),
                   "k8s": k8s_cmd.register(subparsers)}
-    parser.commands = subparsers.choices  # type: ignore[attr-defined]
+    parser.commands = subparsers.choices
     return parser, intermixed
 
 

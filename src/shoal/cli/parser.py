@@ -32,6 +32,9 @@ class Parser(argparse.ArgumentParser):
     Abbreviations are off: '--nproc 2' is an error, not a silent '--nproc-per-node 2'.
     """
 
+    commands: dict[str, Parser]
+    """The `shoal` parser's subcommands, by name (set by shoal.cli.main)."""
+
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("formatter_class", _HelpFormatter)

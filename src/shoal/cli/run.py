@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from shoal.cli.torchrun import (
     add_script_arguments,
@@ -21,7 +21,13 @@ from shoal.launch import LaunchSpec, launch
 from shoal.launch.config import resolve_nproc
 
 if TYPE_CHECKING:
+    from typing import TypedDict
+
     from shoal.ft import FaultToleranceConfig
+
+    class _NodeCounts(TypedDict):
+        nnodes: int
+        min_nodes: int | None
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +116,8 @@ def fetch_first(args: argparse.Namespace, cluster: ClusterEnv | None) -> int:
                          "would fetch; run `shoal data fetch` once per node before them")
     from shoal.data.fetch import fetch_command
 
-    return fetch_command(*args.fetch_data, token_file=args.fetch_token_file)
+    # (mypy cannot know that the list holds two items, URL and DEST, not three)
+    return fetch_command(*args.fetch_data, token_file=args.fetch_token_file)  # type: ignore[misc]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -131,7 +138,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_command)
 
 
-def _node_counts(value: str) -> dict[str, int | None]:
+def _node_counts(value: str) -> _NodeCounts:
     """``--nnodes N`` or ``MIN:MAX`` as LaunchSpec fields."""
     low, sep, high = str(value).partition(":")
     try:
@@ -224,8 +231,10 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
     defaults; validation happens in LaunchSpec itself."""
     apply_torchrun_rendezvous(args)
     node = cluster if cluster is not None and not cluster.per_process else None
-    counts = (_node_counts(args.nnodes) if args.nnodes is not None
-              else {"nnodes": node.nnodes if node else 1, "min_nodes": None})
+    # (a scheduler's ClusterEnv of one task per node always has nnodes)
+    counts: _NodeCounts = (_node_counts(args.nnodes) if args.nnodes is not None
+                           else {"nnodes": cast(int, node.nnodes) if node else 1,
+                                 "min_nodes": None})
     live = live_settings(args, fault_tolerance, counts["nnodes"] or 1)
     return LaunchSpec(
         entry=entry,

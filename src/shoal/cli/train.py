@@ -74,13 +74,14 @@ def launch_run(args: argparse.Namespace, config: Any, source: str | None,
                          "recovers by restart (--max-restarts)")
     # Where the scheduler started every worker (srun -n 8, mpirun), this process is one rank.
     in_place = cluster is not None and cluster.per_process
-    world = cluster.world_size if in_place else spec.world_size
+    world = cluster.world_size if in_place and cluster is not None else spec.world_size
     # What does not fit the job fails here, in one line, before any worker starts.
     if rl:
         config.rl.updates(world)
     else:
         config.trainer.parallel.resolve(world)
     if in_place:
+        assert cluster is not None  # in_place says so
         config.run.nproc_per_node = cluster.local_world_size or 1
         first = cluster.rank == 0
     else:

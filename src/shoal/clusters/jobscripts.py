@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from shoal.errors import UsageError
 
 if TYPE_CHECKING:  # the schema imports torch's checkpointing: not needed to parse flags
-    from shoal.config.schema import RunConfig
+    from shoal.config.schema import RLRunConfig, RunConfig
 
 PREEMPTED_EXIT_CODE = 128 + 10  # SIGUSR1: what shoal train exits with after saving
 K8S_KINDS = ("pytorchjob", "indexed-job", "all")
@@ -90,19 +90,24 @@ class SlurmJob:
         return self.workers or self.gpus_per_node or 1
 
 
-def requeue_overrides(config: RunConfig) -> list[str]:
-    """What a requeued job needs to continue where it stopped: ``trainer.resume=auto``, and a
-    checkpoint directory (RUN_DIR/checkpoints) when the config names none."""
-    trainer = config.trainer
-    if trainer.resume not in (None, "auto"):
-        raise UsageError(f"trainer.resume is {trainer.resume!r}: a requeued job must resume "
+def requeue_overrides(config: RunConfig | RLRunConfig) -> list[str]:
+    """What a requeued job needs to continue where it stopped: ``resume=auto``, and a
+    checkpoint directory (RUN_DIR/checkpoints) when the config names none, in its
+    ``trainer`` section (or ``rl``, for a reinforcement learning run)."""
+    from shoal.config.schema import RunConfig  # loaded already: the config is one
+
+    section = "trainer" if isinstance(config, RunConfig) else "rl"
+    settings = config.trainer if isinstance(config, RunConfig) else config.rl
+    if settings.resume not in (None, "auto"):
+        raise UsageError(f"{section}.resume is {settings.resume!r}: a requeued job must resume "
                          "from its own newest checkpoint (resume=auto, which shoal slurm "
                          "sets); remove it from the config")
     extra = []
-    if trainer.checkpoint_dir is None:
-        extra.append(f"trainer.checkpoint_dir={Path(config.run.dir) / 'checkpoints'}")
-    if trainer.resume is None:
-        extra.append("trainer.resume=auto")
+    if settings.checkpoint_dir is None:
+        assert config.run.dir is not None  # the loader sets it
+        extra.append(f"{section}.checkpoint_dir={Path(config.run.dir) / 'checkpoints'}")
+    if settings.resume is None:
+        extra.append(f"{section}.resume=auto")
     return extra
 
 
@@ -193,7 +198,7 @@ class K8sJob:
 
 
 def _container(job: K8sJob, env: dict[str, str]) -> dict:
-    container = {
+    container: dict[str, object] = {
         "name": "pytorch",  # the name Kubeflow's operator looks for
         "image": job.image,
         "command": ["shoal", "train", "--config", f"{_CONFIG_DIR}/{job.config_name}",

@@ -7,7 +7,7 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
@@ -15,6 +15,9 @@ from pydantic import TypeAdapter, ValidationError
 from shoal.config.schema import BuilderConfig, ModelConfig, RLRunConfig, RunConfig
 from shoal.errors import UsageError, usage_error
 from shoal.imports import default_code_paths, import_builder, use_code_paths
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 class _Loader(yaml.SafeLoader):
@@ -56,6 +59,7 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
 
 
 def _check_builder(section: str, spec: BuilderConfig | ModelConfig) -> None:
+    assert spec.builder is not None  # not a transformers model: the caller checked
     fn = import_builder(spec.builder, f"{section}.builder")
     try:
         signature = inspect.signature(fn)
@@ -69,7 +73,7 @@ def _check_builder(section: str, spec: BuilderConfig | ModelConfig) -> None:
     _check_argument_types(section, spec, fn)
 
 
-def _check_argument_types(section: str, spec: BuilderConfig, fn: Any) -> None:
+def _check_argument_types(section: str, spec: BuilderConfig | ModelConfig, fn: Any) -> None:
     """Each argument against the builder's own annotation, as the rest of the config is
     checked: a wrong type fails here, in one line, rather than in every worker. A value
     pydantic converts losslessly (the string "3" for an int) is passed on converted."""
@@ -92,7 +96,7 @@ def _check_argument_types(section: str, spec: BuilderConfig, fn: Any) -> None:
                              f"{spec.builder})") from None
 
 
-def load_run_config(path: str | os.PathLike, overrides: list[str] = ()
+def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()
                     ) -> RunConfig | RLRunConfig:
     """Load, override and validate a run config; every problem is a one-line UsageError."""
     path = Path(path)
@@ -109,7 +113,7 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()
     return validate_run_tree(tree, path.stem, overrides, config_file=path)
 
 
-def validate_run_tree(tree: dict[str, Any], name: str, overrides: list[str] = (),
+def validate_run_tree(tree: dict[str, Any], name: str, overrides: Sequence[str] = (),
                       config_file: Path | None = None) -> RunConfig | RLRunConfig:
     """A run config from its sections: an ``rl:`` run when it has one, else a Trainer run.
     ``name`` names the default run directory, runs/<name>. Builders are imported from the
@@ -159,6 +163,7 @@ def _resolve_code_paths(tree: dict[str, Any], config_file: Path | None) -> None:
 
 def save_run_config(config: RunConfig | RLRunConfig) -> Path:
     """Write the resolved config into the run directory; returns its path."""
+    assert config.run.dir is not None  # validate_run_tree set it
     run_dir = Path(config.run.dir)
     target = run_dir / "config.yaml"
     try:
@@ -172,8 +177,9 @@ def save_run_config(config: RunConfig | RLRunConfig) -> Path:
 
 def build(spec: BuilderConfig | ModelConfig, *leading: Any) -> Any:
     """Call the builder named in ``spec`` with its args (or build its transformers model)."""
-    if getattr(spec, "hf", None) is not None:
+    if isinstance(spec, ModelConfig) and spec.hf is not None:
         from shoal.models.hf import build_model
 
         return build_model(spec.hf)
+    assert spec.builder is not None  # a ModelConfig has a builder or hf
     return import_builder(spec.builder, "builder")(*leading, **spec.args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,7 +25,7 @@ class BuilderConfig(BaseModel):
     @field_validator("builder")
     @classmethod
     def _import_path(cls, value: str) -> str:
-        return _import_path(value)
+        return cast(str, _import_path(value))
 
 
 def _import_path(value: str | None) -> str | None:

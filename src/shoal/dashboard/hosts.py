@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 from dataclasses import dataclass, field
+from typing import cast
 
 LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARDS = frozenset({"0.0.0.0", "::", ""})
@@ -75,7 +76,8 @@ def _own_names(bound: str) -> set[str]:
                              for addresses in network_interfaces().values() for a in addresses}
     else:  # a name given to --host: the addresses it stands for
         try:
-            names |= {info[4][0].lower() for info in socket.getaddrinfo(bound, None)}
+            names |= {cast(str, info[4][0]).lower()  # an AF_INET(6) address: a str
+                      for info in socket.getaddrinfo(bound, None)}
         except OSError:
             pass
     return names

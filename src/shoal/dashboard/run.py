@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -67,7 +68,8 @@ class RunWatch:
         if self.tail.replaced:  # the file was started anew: so is everything known of it
             self.tail.replaced = False
             name = self.name
-            self.__init__(self.dir, self.index, self.cap, self.window_cap)
+            # ignore: mypy refuses __init__ on an instance (a subclass's could differ)
+            self.__init__(self.dir, self.index, self.cap, self.window_cap)  # type: ignore[misc]
             self.name = name
             return {**(self.poll() or {}), "reset": True}  # the page starts anew too
         if not any(new.values()):
@@ -213,7 +215,7 @@ class RunWatch:
 def _find_all(block: memoryview, text: bytes) -> list[int]:
     """Where ``text`` is in ``block``, a view from the start of a buffer (bytes.find is the
     fastest search, and needs the buffer itself)."""
-    buffer, found = block.obj, []
+    buffer, found = cast("bytearray", block.obj), []  # LineTail's views are of a bytearray
     at = buffer.find(text, 0, len(block))
     while at >= 0:
         found.append(at)

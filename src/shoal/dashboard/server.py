@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -38,6 +39,9 @@ from shoal.dashboard.alerts import AlertSettings, check
 from shoal.dashboard.guard import Guard
 from shoal.dashboard.hosts import HostRule
 from shoal.dashboard.run import RunWatch
+
+if TYPE_CHECKING:
+    import threading
 
 STATIC = Path(__file__).parent / "static"
 PAGE_FILES = ("index.html", "dashboard.js", "dashboard.css", "uPlot.iife.min.js",
@@ -296,7 +300,7 @@ class Server:
                                                     timeout_graceful_shutdown=1))
         self.host = host
         self.hub: Hub = app.state.hub
-        self.thread = None
+        self.thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:

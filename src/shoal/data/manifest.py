@@ -140,7 +140,8 @@ def build_manifest(src: str, chunk_size: int = CHUNK_SIZE,
     if not os.path.isdir(src):
         raise ReplicateError(f"SRC {src} does not exist on rank 0", exit_code=2)
     skip = os.path.realpath(exclude) if exclude else None
-    files, dirs = [], []
+    files: list[FileEntry] = []
+    dirs: list[str] = []
     for root, subdirs, names in os.walk(src):
         # Links to folders are not followed (they may loop, or lead out of SRC).
         subdirs[:] = sorted(d for d in subdirs if not os.path.islink(os.path.join(root, d))

@@ -206,7 +206,8 @@ class _Transfer:
                 self._settle()
             length = self.manifest.files[index].chunk_span(chunk, self.manifest.chunk_size)[1]
             tensor = self.buffers[k % len(self.buffers)][:length]
-            view = memoryview(tensor.numpy())
+            # ignore: numpy's stub gives ndarray no __buffer__ before Python 3.12; it is a buffer
+            view = memoryview(tensor.numpy())  # type: ignore[arg-type]
             if self.sources is not None:
                 self._read(index, chunk, view)
             self.in_flight.append((self.group.broadcast_async(tensor), (index, chunk), view))
@@ -218,6 +219,7 @@ class _Transfer:
         return sent
 
     def _read(self, index: int, chunk: int, view: memoryview) -> None:
+        assert self.sources is not None  # only node 0 reads, and it has the sources
         try:
             read_chunk(self.sources[index], chunk * self.manifest.chunk_size, view)
         except ReplicateError as exc:
@@ -291,6 +293,7 @@ def replicate(src: str, dest: str, group: dist.ProcessGroup | None = None, *,
     # 4. Every node checks each file it wrote and renames it into place.
     try:
         if is_source:
+            assert sources is not None  # set on the source node
             copy_chunks(manifest, sources, parts, wanted - set(schedule))
         _finish(manifest, plans, report)
         outcome = report

@@ -24,7 +24,7 @@ import signal
 import sys
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
 from shoal.data.manifest import (
@@ -109,7 +109,7 @@ class DataServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = cast("tuple[str, int]", self.server_address[:2])  # AF_INET(6): a str
         return f"http://{host}:{port}"
 
     def describe(self) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sized
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
     a DataLoader passed in keeps its own setting.
     """
     loader = data if isinstance(data, DataLoader) else None
-    dataset = loader.dataset if loader is not None else data
+    dataset = loader.dataset if loader is not None else cast(Dataset, data)
     if isinstance(dataset, IterableDataset):
         if world_size > 1 and rank == 0:
             warnings.warn("an IterableDataset is not split across ranks: every rank reads the "
@@ -78,15 +78,15 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
                 "ranks: pass a torch.utils.data.Subset of the dataset instead, or a sampler "
                 "that takes this rank's share itself (like DistributedSampler)")
     if evaluation:
-        sampler: Sampler[int] = EvalShardSampler(len(dataset), world_size, rank)
+        sampler: Sampler[int] = EvalShardSampler(len(cast(Sized, dataset)), world_size, rank)
     else:
-        sampler = ElasticSampler(len(dataset), world_size, rank, batch_size, seed=seed,
+        sampler = ElasticSampler(len(cast(Sized, dataset)), world_size, rank, batch_size, seed=seed,
                                  shuffle=shuffle,
                                  drop_last=drop_last or (loader is not None and loader.drop_last))
     # The loader's own generator: making an iterator draws a seed from it, and drawing from
     # the global RNG instead would shift dropout after a resume (see set_epoch).
-    kwargs = {"batch_size": batch_size, "num_workers": num_workers,
-              "generator": torch.Generator(), "pin_memory": pin_memory}
+    kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": num_workers,
+                              "generator": torch.Generator(), "pin_memory": pin_memory}
     if loader is not None:
         # drop_last is the sampler's business now: it knows where global batches end.
         kwargs.update(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
@@ -120,7 +120,8 @@ def set_epoch(loader: DataLoader, epoch: int, consumed: int = 0) -> bool:
 def samples_between(loader: DataLoader, first: int, last: int) -> int | None:
     """Global samples in micro-batches [first, last) of this epoch's run, if known."""
     before, after = position_after(loader, first), position_after(loader, last)
-    return None if before is None else after - before
+    # after is None only when before is (a loader without ElasticSampler)
+    return None if before is None else cast(int, after) - before
 
 
 def position_after(loader: DataLoader, micro_batches: int) -> int | None:

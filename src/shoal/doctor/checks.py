@@ -257,7 +257,8 @@ def _bandwidth_results(config: DoctorConfig, store: TCPStore, reports: dict[int,
         len(set(hostnames)) == len(hostnames)
     backend = "nccl" if own_gpus else "gloo"
     store.set(_key("plan"), json.dumps({"backend": backend}))
-    outcomes = {0: measure_bandwidth(config, store, backend, reports[0].interface)}
+    outcomes: dict[int, dict | None] = {
+        0: measure_bandwidth(config, store, backend, reports[0].interface)}
     # Every node runs the same collectives, so the others finish about when node 0 does.
     found = _await(store, [_key("bandwidth", r) for r in range(1, n)],
                    time.monotonic() + _GRACE_S)
@@ -267,6 +268,7 @@ def _bandwidth_results(config: DoctorConfig, store: TCPStore, reports: dict[int,
                 for r, outcome in sorted(outcomes.items()) if not outcome or "error" in outcome]
     if failures:
         return failures
+    assert outcomes[0] is not None  # measure_bandwidth's dict
     return [Result("bandwidth", 0, "PASS",
                    _bandwidth_detail(config.size, outcomes[0]["seconds"], n, backend))]
 
@@ -322,6 +324,7 @@ def measure_bandwidth(config: DoctorConfig, store: TCPStore, backend: str,
 def reach_master(config: DoctorConfig, deadline: float) -> Result:
     """Connect to the master's port; again while refused (node 0 may start later)."""
     rank, where = config.node_rank, f"cannot reach the master {config.master}"
+    assert config.master_port is not None  # DoctorConfig requires it with --nnodes above 1
     while True:
         left = deadline - time.monotonic()
         try:
@@ -395,6 +398,7 @@ def _connect_store(config: DoctorConfig, seconds: float) -> TCPStore | None:
     outcome: list[TCPStore | RuntimeError] = []
 
     def connect() -> None:
+        assert config.master_port is not None  # DoctorConfig requires it with --nnodes above 1
         try:
             outcome.append(TCPStore(config.master_addr, config.master_port, is_master=False,
                                     timeout=timedelta(seconds=seconds)))

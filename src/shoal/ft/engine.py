@@ -73,6 +73,7 @@ def serve_lighthouse(bind: str, min_replicas: int, config: FaultToleranceConfig)
     if library is None:
         raise UsageError(f"torchft in {folder} has no compiled extension: {_MISSING}")
     spec = importlib.util.spec_from_file_location("torchft._torchft", library)
+    assert spec is not None and spec.loader is not None  # an extension module's file
     extension = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(extension)
     return extension.LighthouseServer(bind=bind, min_replicas=min_replicas,

@@ -46,7 +46,9 @@ def answers(address: str, timeout: float = 2.0) -> bool:
     """Whether something listens at a lighthouse's address (http://HOST:PORT)."""
     parts = urlsplit(address)
     try:
-        with socket.create_connection((parts.hostname, parts.port), timeout=timeout):
+        # ignore: typeshed's port is int; a None one (getaddrinfo takes it) is an OSError here
+        with socket.create_connection((parts.hostname, parts.port),  # type: ignore[arg-type]
+                                      timeout=timeout):
             return True
     except (OSError, ValueError):
         return False

@@ -35,6 +35,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -90,7 +91,7 @@ class LiveSession:
         """Each heal of this group: step, bytes, seconds."""
         self._state, self._load, self._record = state, load, record
         self._wire = wire  # the precision gradients are sent in across groups (fp16, bf16)
-        self._quorum = None  # the quorum of the step under way
+        self._quorum: Quorum | None = None  # the quorum of the step under way
         self._participants = place.groups
         self._started = 0.0
         self.in_quorum = False  # waiting for the other groups at a quorum
@@ -158,6 +159,7 @@ class LiveSession:
                 self._sit_out()
             raise Redo()
         if self._restore is not None:
+            assert self._private is not None  # given with restore (the compression state)
             self._kept = self._private()
             if self._logged and (self.round is None or self.step_now()
                                  - self.round["global_step"] >= self._every):
@@ -168,6 +170,7 @@ class LiveSession:
         weight 0), so that no group commits it, and redo the logged steps alone, while the
         others wait at the next quorum."""
         self._quorum = None
+        assert self._blank is not None  # a live job always gives it
         zeros = self._blank()
         flags = torch.zeros(2, dtype=zeros[0].dtype if zeros else torch.float32)
         with heartbeat.waiting():
@@ -241,10 +244,12 @@ class LiveSession:
             self._log_step(grads if committed else None)
         if not committed:
             if self._kept is not None:
+                assert self._restore is not None  # _kept is only set under a restore
                 self._restore(self._kept)  # the step's error feedback is undone too
             self._say(f"step {step + 1} did not commit (a replica group failed or is "
                       "missing): it is done again")
             return False
+        assert quorum is not None  # begin_step started it
         groups, joined = self.place.groups, quorum.participants
         if joined < groups:
             self.skipped_samples += (groups - joined) * samples
@@ -382,14 +387,15 @@ class LiveSession:
         bringing = round(float(sent[-1]))
         rows = None
         if self._exact:
-            rows = self._gather(b"" if abstain else self._serialized(self._private()))
+            private = cast("Callable[[], dict]", self._private)  # periodic: always given
+            rows = self._gather(b"" if abstain else self._serialized(private()))
             if bringing < groups:
                 self.replica.abstain()
             return sent[:-1], bringing, rows
         return sent[:-1] / max(bringing, 1), bringing, rows
 
     @staticmethod
-    def _serialized(state: dict) -> bytes:
+    def _serialized(state: dict | None) -> bytes:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         return buffer.getvalue()

@@ -81,7 +81,8 @@ def _start_the_first_attempt_apart() -> bool:
         return started
 
     _start_workers._shoal = True  # type: ignore[attr-defined]
-    LocalElasticAgent._start_workers = _start_workers
+    # (mypy refuses any assignment to a method: this one patches torch's class)
+    LocalElasticAgent._start_workers = _start_workers  # type: ignore[method-assign]
     return True
 
 
@@ -113,7 +114,8 @@ def _count_a_clean_exit_as_finished() -> bool:
         return original(self)
 
     _poll._shoal = True  # type: ignore[attr-defined]
-    MultiprocessContext._poll = _poll
+    # (mypy refuses any assignment to a method: this one patches torch's class)
+    MultiprocessContext._poll = _poll  # type: ignore[method-assign]
     return True
 
 
@@ -154,5 +156,6 @@ def _replace_an_ended_server() -> bool:
             return original(self)
 
     _start._shoal = True  # type: ignore[attr-defined]
-    MultiprocessContext._start = _start
+    # (mypy refuses any assignment to a method: this one patches torch's class)
+    MultiprocessContext._start = _start  # type: ignore[method-assign]
     return True

@@ -68,7 +68,7 @@ def forget_ended_server() -> tuple[int, str] | None:
     """
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver
+    server: Any = forkserver._forkserver  # typeshed declares none of its private fields
     pid = getattr(server, "_forkserver_pid", None)
     if pid is None:
         return None

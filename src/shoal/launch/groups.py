@@ -75,6 +75,7 @@ def launch_groups(spec: LaunchSpec) -> int:
     from shoal.ft.engine import check_available
 
     check_available()
+    assert spec.fault_tolerance is not None  # live mode (spec.live) has its settings
     config = spec.fault_tolerance.model_copy(update={"replica_groups": spec.replica_groups})
     groups = spec.replica_groups
     # torchft's Rust side logs every quorum at INFO: only its warnings, unless asked.

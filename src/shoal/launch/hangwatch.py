@@ -73,7 +73,7 @@ def report(positions: list[RankPosition], timeout: float) -> str:
     outside = [p for p in positions if p.collective is None]
     inside = [p for p in positions if p.collective is not None]
     lines = [f"shoal: hang: no rank made progress for {timeout:g} s"]
-    kinds = {p.collective for p in inside}
+    kinds = {p.collective for p in inside if p.collective is not None}
     if outside and inside:
         lines.append("  stuck: rank " + ", ".join(str(p.rank) for p in outside)
                      + " (not in a collective while the others wait in one)")

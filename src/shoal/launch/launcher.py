@@ -9,6 +9,7 @@ import signal
 import sys
 import tempfile
 import uuid
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -108,6 +109,7 @@ def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = No
     that gets rank 0 tells the workers of every node to meet there (MASTER_ADDR).
     ``start``: how the workers start (shoal.launch.worker_start)."""
     if spec.rdzv_endpoint:
+        assert spec.rdzv_id is not None  # LaunchSpec requires it with an endpoint
         rdzv_backend, endpoint, run_id = "c10d", spec.rdzv_endpoint, spec.rdzv_id
         rdzv_configs = {"last_call_timeout": spec.rdzv_last_call}
         host, _ = store_address(spec)
@@ -128,8 +130,9 @@ def build_launch_config(spec: LaunchSpec, log_dir: str, address: str | None = No
         rdzv_configs = {**agent.rdzv_conf, **rdzv_configs}
     # Settings only some torch releases have (shoal.runtime.compat), each given only when
     # asked for; before torch 2.12 the grace period before SIGKILL is torch's fixed 30 s.
-    optional = {"shutdown_timeout": (agent.shutdown_timeout if agent.shutdown_timeout
-                                     is not None else SHUTDOWN_TIMEOUT_S)}
+    optional: dict[str, Any] = {"shutdown_timeout": (agent.shutdown_timeout
+                                                     if agent.shutdown_timeout is not None
+                                                     else SHUTDOWN_TIMEOUT_S)}
     if agent.event_log_handler is not None:
         optional["event_log_handler"] = agent.event_log_handler
     if agent.duplicate_stdout_filters:
@@ -191,7 +194,11 @@ def logs_specs(agent: AgentOptions, log_dir: str, nproc: int) -> LogsSpecs:
             raise UsageError(f"--logs-specs {agent.logs_specs}: no such entry point in the "
                              "group torchrun.logs_specs of the installed packages")
         cls: type[LogsSpecs] = next(iter(found)).load()
-        return cls(log_dir=log_dir, redirects=Std.ALL, tee=agent.shown_streams(nproc),
+        # Teed back to the terminal: what torchrun would show of each rank.
+        tee = {rank: (Std.OUT if "stdout" in shown else Std.NONE)
+               | (Std.ERR if "stderr" in shown else Std.NONE)
+               for rank, shown in agent.shown_streams(nproc).items()}
+        return cls(log_dir=log_dir, redirects=Std.ALL, tee=tee,
                    local_ranks_filter=agent.ranks_shown())
     # Shown by shoal's OutputRelay, which keeps each rank's lines in the order written.
     return DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.NONE)

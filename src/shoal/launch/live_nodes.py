@@ -73,6 +73,7 @@ def launch_live_nodes(spec: LaunchSpec) -> int:
     check_available()
     local = spec.replica_groups
     total = spec.nnodes * local
+    assert spec.fault_tolerance is not None  # live mode (spec.live) has its settings
     config = spec.fault_tolerance.model_copy(update={"replica_groups": total})
     os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at INFO
     groups = GroupSet(spec.node_rank * local, local, total, advertised_host(spec))
@@ -81,6 +82,7 @@ def launch_live_nodes(spec: LaunchSpec) -> int:
     if address is None:
         _, master = resolve(spec.master_addr)
         port = spec.master_port
+        assert port is not None  # LaunchSpec requires it with --nnodes above 1
         if spec.node_rank == 0:
             check_port_free(master, port, advice="give node 0's own address as "
                             "--master-addr (its launcher starts the live job's lighthouse "

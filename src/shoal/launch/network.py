@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from typing import cast
 
 from shoal.errors import UsageError
 
@@ -21,7 +22,7 @@ def resolve(host: str) -> tuple[socket.AddressFamily, str]:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise UsageError(f"cannot resolve host {host!r}: {exc.strerror}") from None
-    return family, sockaddr[0]
+    return family, cast(str, sockaddr[0])  # (host, port, ...) of AF_INET or AF_INET6
 
 
 def route_to(host: str) -> tuple[str | None, str]:

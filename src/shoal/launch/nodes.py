@@ -58,7 +58,8 @@ class NodeWatch(threading.Thread):
                                    wait_for_workers=False)
         store = self._store
         if not self._registered:
-            store.append(_NODES, self.me + "\n")
+            # (TCPStore.append exists, but torch's stubs leave it out)
+            store.append(_NODES, self.me + "\n")  # type: ignore[attr-defined]
             self._registered = True
         store.add(_BEAT + self.me, 1)
         nodes = [n for n in store.get(_NODES).decode().splitlines() if n]

@@ -97,5 +97,6 @@ def _watch_the_agent() -> bool:
         return result
 
     _monitor_workers._shoal = True  # type: ignore[attr-defined]
-    LocalElasticAgent._monitor_workers = _monitor_workers
+    # (mypy refuses any assignment to a method: this one patches torch's class)
+    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
     return True

@@ -21,6 +21,7 @@ def train_from_config(config: RLRunConfig) -> dict[str, float]:
     rt.init(config.rl.backend)
     result = PPO(config.rl).train()
     if rt.is_main():
+        assert config.run.dir is not None  # the loader sets it
         Path(config.run.dir).mkdir(parents=True, exist_ok=True)
         (Path(config.run.dir) / "metrics.json").write_text(json.dumps(result, indent=2))
         print(f"done: return {result['episode_return']:.1f}, evaluation "

@@ -44,13 +44,16 @@ def _train(config: RunConfig) -> dict[str, float]:
     train_data, val_data = data if isinstance(data, tuple) else (data, None)
     optimizer = build(config.optimizer, model.parameters())
     # Built by the Trainer on the optimizer it trains with (zero1 replaces the optimizer).
-    scheduler = (lambda opt: build(config.lr_scheduler, opt)) if config.lr_scheduler else None
+    # (mypy does not carry the condition's narrowing into the lambda)
+    scheduler = ((lambda opt: build(config.lr_scheduler, opt))  # type: ignore[arg-type]
+                 if config.lr_scheduler else None)
     loss_fn = build(config.loss) if config.loss else None
     trainer = Trainer(model, optimizer, loss_fn=loss_fn, lr_scheduler=scheduler,
                       **config.trainer.model_dump())
     trainer.run_config = config.model_dump(mode="json")
     metrics = trainer.fit(train_data, val_data)
     if rt.is_main():
+        assert config.run.dir is not None  # the loader sets it
         path = Path(config.run.dir) / "metrics.json"
         path.write_text(json.dumps(metrics, indent=2))
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"

@@ -21,6 +21,10 @@ import time
 
 from shoal.launch.frames import OWN_FRAMES, PID_FILE
 
+TYPE_CHECKING = False  # typing is not imported: the worker pays for every import
+if TYPE_CHECKING:
+    from typing import Any
+
 if __name__ != "__main__":
     import setproctitle
 
@@ -154,7 +158,8 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
     if os.environ.pop("SHOAL_IN_PLACE", None) != "1":
         _die_with_launcher()
     # Worker output goes to files: line buffering keeps it live and loses nothing on exit.
-    sys.stdout.reconfigure(line_buffering=True)
+    # (typeshed types sys.stdout as a TextIO, which has no reconfigure: it is a TextIOWrapper)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     from shoal.runtime import heartbeat
 
     heartbeat.enable_from_environment()
@@ -209,7 +214,7 @@ def _let_the_server_go() -> None:
     do the workers, whose parent (the server) must die for them to get PDEATHSIG."""
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver
+    server: Any = forkserver._forkserver  # typeshed declares none of its private fields
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
     # The next use from here starts a server of this process's own.

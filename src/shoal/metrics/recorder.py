@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -142,6 +143,7 @@ class StepMetrics:
 
     def _open_mlflow(self, params: dict, tracking: dict[str, str]) -> MLflowRun | None:
         name = os.path.basename(os.path.normpath(self.config.dir)) if self.config.dir else None
+        assert self.config.mlflow is not None  # opened only when it is set
         run = MLflowRun.start(self.config.mlflow, params, run_name=name,
                               resume_id=tracking.get("mlflow_run_id"))
         if run is not None:
@@ -232,6 +234,7 @@ class StepMetrics:
         now = time.time()
         for i, (global_step, epoch, lr, _) in enumerate(self._steps):
             step_time = column["step"][:, i].max().item()
+            record: dict[str, Any]
             record = {"type": "step", "step": global_step, "epoch": epoch, "time": now,
                       "loss": column["loss"][:, i].mean().item(), "lr": lr,
                       "grad_norm": column["grad_norm"][:, i].mean().item(),
@@ -292,6 +295,8 @@ class StepMetrics:
 
     def mfu(self, tokens_per_s: float) -> float:
         """Model FLOPs utilization of the whole job at this token rate (0..1)."""
+        # Called only when flops_per_token is set, which it is only with a peak.
+        assert self.flops_per_token is not None and self.peak_flops is not None
         return tokens_per_s * self.flops_per_token / (self.peak_flops * self.world)
 
     def finish(self, show_summary: bool = True, result: dict | None = None) -> None:

@@ -17,7 +17,7 @@ ahead of the GPU as it would without metrics.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -50,8 +50,8 @@ class StepClock:
 
     def _seconds(self, a: object, b: object) -> float:
         if self.cuda:
-            return a.elapsed_time(b) / 1e3
-        return b - a
+            return cast("torch.cuda.Event", a).elapsed_time(cast("torch.cuda.Event", b)) / 1e3
+        return cast(float, b) - cast(float, a)
 
     def begin(self) -> None:
         """Start of an epoch: the first step's time counts from here."""
@@ -85,7 +85,7 @@ class StepClock:
         last call; on CUDA this waits for the last one's kernels (once per window)."""
         steps, self._steps = self._steps, []
         if self.cuda and steps:
-            steps[-1].end.synchronize()
+            cast("torch.cuda.Event", steps[-1].end).synchronize()
         return [self._record(step) for step in steps]
 
     def _record(self, step: _Step) -> dict[str, float]:

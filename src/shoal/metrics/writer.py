@@ -46,7 +46,7 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(_clean(record)) + "\n")
 
-    def scalars(self, step: int, values: dict[str, float]) -> None:
+    def scalars(self, step: int, values: dict[str, float | None]) -> None:
         if self._tb is None:
             return
         for tag, value in values.items():

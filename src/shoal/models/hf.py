@@ -14,7 +14,7 @@ import dataclasses
 import difflib
 import inspect
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -50,7 +50,7 @@ def model_class(name: str) -> type[nn.Module]:
                   n.endswith(("Model", "LMHeadModel"))]
         raise UsageError(f"transformers has no model class {name!r}"
                          f"{_did_you_mean(name, models)}")
-    return found
+    return cast("type[nn.Module]", found)  # a PreTrainedModel
 
 
 def config_arguments(config_class: type) -> set[str]:
@@ -60,12 +60,13 @@ def config_arguments(config_class: type) -> set[str]:
         names = {f.name for f in dataclasses.fields(config_class)}
     else:  # configs that are not dataclasses: their constructors' parameters
         names = {p.name for cls in config_class.__mro__ if "__init__" in vars(cls)
-                 for p in inspect.signature(cls.__init__).parameters.values()
+                 # mypy takes cls.__init__ for an instance's; cls is a class (ignore below)
+                 for p in inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]
                  if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
     return names | set(getattr(config_class, "attribute_map", {}))
 
 
-def build_config(model: type, arguments: dict[str, Any]) -> Any:
+def build_config(model: type[Any], arguments: dict[str, Any]) -> Any:
     """``model``'s config from ``arguments``, each checked: a transformers config would
     keep an unknown argument as a silent attribute."""
     config_class = model.config_class

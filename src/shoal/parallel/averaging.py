@@ -12,7 +12,7 @@ replicas start from rank 0's weights.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -54,11 +54,11 @@ def broadcast_module(model: nn.Module, group: dist.ProcessGroup | None = None) -
             dist.broadcast(tensor.data, src=0, group=group)
 
 
-def _flat(params: list[torch.Tensor]) -> torch.Tensor:
+def _flat(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params])
 
 
-def _unflatten_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+def _unflatten_into(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
     offset = 0
     for p in params:
         p.data.copy_(flat[offset:offset + p.numel()].view_as(p))

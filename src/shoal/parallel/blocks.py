@@ -34,4 +34,5 @@ def find_blocks(model: nn.Module, class_names: list[str] | None = None) -> list[
     layers = [child for m in lists for child in m if type(child).__name__ in named]
     if layers:
         return layers
-    return list(max(lists, key=len)) if lists else []
+    # ignore: mypy infers max's type from list()'s context (Iterable[Module]), not from lists
+    return list(max(lists, key=len)) if lists else []  # type: ignore[arg-type]

@@ -114,8 +114,8 @@ def apply_compression(model: DistributedDataParallel, config: CompressionConfig,
     if config.name == "none":
         return _Uncompressed(model, traffic)
     if config.name == "powersgd":
-        state: Compressor = PowerSGDHook(model.module, config.rank, config.warmup_steps,
-                                         traffic, seed=seed, group=group)
+        state: _Counted | PowerSGDHook | TopKHook = PowerSGDHook(
+            model.module, config.rank, config.warmup_steps, traffic, seed=seed, group=group)
     elif config.name == "topk":
         state = TopKHook(model.module, config.ratio, traffic, group=group)
     else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,7 +44,8 @@ def apply_ddp(model: nn.Module, device: torch.device, config: DDPConfig | None =
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group)
     device_ids = [device.index] if device.type == "cuda" else None
     # Passing bucket_cap_mb at all turns off DDP's small first bucket: only pass it when set.
-    buckets = {} if config.bucket_cap_mb is None else {"bucket_cap_mb": config.bucket_cap_mb}
+    buckets: dict[str, Any] = ({} if config.bucket_cap_mb is None
+                               else {"bucket_cap_mb": config.bucket_cap_mb})
     return DistributedDataParallel(
         model,
         device_ids=device_ids,

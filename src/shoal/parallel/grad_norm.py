@@ -51,5 +51,6 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
     params = [p for p in params if p.grad is not None]
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for param in params:
+        assert param.grad is not None  # kept above only with a gradient
         param.grad.mul_(coefficient)
     return norm

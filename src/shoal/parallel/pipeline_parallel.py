@@ -20,7 +20,7 @@ Successive ``step`` calls add their gradients up (accumulation), each weighted b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -75,8 +75,8 @@ class _Stage(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         # The model's own embed/logits are the ends of the first and last stages; the model
         # is kept as a plain attribute (bound methods), not as a submodule.
-        self._embed = model.embed
-        self._logits = model.logits
+        self._embed = cast("Callable[[torch.Tensor], torch.Tensor]", model.embed)
+        self._logits = cast("Callable[[torch.Tensor], torch.Tensor]", model.logits)
         for name, child in model.named_children():
             if name != "blocks" and child is not None:
                 self.add_module(name, child)
@@ -245,6 +245,7 @@ def apply_pp(model: nn.Module, pp_mesh: DeviceMesh, config: PipelineConfig,
                          f"got {config.microbatches} for {n_stages} stages; raise "
                          f"microbatches to {n_stages} or use schedule 'gpipe'")
     _check_structure(model)
+    assert isinstance(model.blocks, nn.ModuleList)  # _check_structure raised otherwise
     splits = split_blocks(len(model.blocks), n_stages)
 
     index = pp_mesh.get_local_rank()

@@ -9,6 +9,8 @@ for checkpoints, so the compression continues exactly where it stopped.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -46,7 +48,7 @@ class PowerSGDHook:
                                    warm_start=True, random_seed=seed)
         self.traffic = traffic
         self.world = dist.get_world_size(group)
-        self.names = {p: name for name, p in model.named_parameters()}
+        self.names: dict[torch.Tensor, str] = {p: name for name, p in model.named_parameters()}
         self.layouts: dict[int, Layout] = {}  # the cut torch's per-bucket state follows
         self.errors: dict[str, torch.Tensor] = {}  # per-parameter state between cuts
         self.qs: dict[str, torch.Tensor] = {}
@@ -131,7 +133,9 @@ class PowerSGDHook:
 
     def state_dict(self) -> dict:
         errors, qs = self._split()
-        kind, keys, pos, has_gauss, cached = self.state.rng.get_state()
+        # legacy form: a tuple (the dict form is only for bit generators other than MT19937)
+        kind, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]",
+                                                  self.state.rng.get_state())
         return {"iter": self.state.iter, "errors": errors, "qs": qs,
                 "rng": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
                         "pos": int(pos), "has_gauss": int(has_gauss),

@@ -11,6 +11,8 @@ DDP's.
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,7 +30,8 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh,
     broadcast_from_first(model, mesh.get_group())
     for block in blocks or []:
         replicate(block, mesh=mesh)
-    return replicate(model, mesh=mesh)
+    # torch annotates a ReplicateModule (a mixin); it is the module, its class extended
+    return cast(nn.Module, replicate(model, mesh=mesh))
 
 
 class ReplicateTraffic(FSDPTraffic):

@@ -38,7 +38,7 @@ class TopKHook:
         self.ratio = ratio
         self.traffic = traffic
         self.group = group
-        self.names = {p: name for name, p in model.named_parameters()}
+        self.names: dict[torch.Tensor, str] = {p: name for name, p in model.named_parameters()}
         self.residuals: dict[str, torch.Tensor] = {}  # error feedback, per parameter
         self._held: list[tuple[dist.GradBucket, torch.futures.Future]] = []
 

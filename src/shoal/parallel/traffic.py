@@ -18,7 +18,7 @@ def all_reduce_bytes(nbytes: int, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * nbytes
 
 
-def all_gather_bytes(nbytes: int, world_size: int) -> float:
+def all_gather_bytes(nbytes: float, world_size: int) -> float:
     """Bytes each rank sends in a ring all-gather where every rank gives ``nbytes``."""
     return (world_size - 1) * nbytes
 

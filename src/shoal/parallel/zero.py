@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     # Imported when used: torch.distributed.optim compiles TorchScript when first imported
     # (a quarter of a second in every process, strategy or not).
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from shoal.parallel.compression import _Uncompressed
 
 
 def apply_zero1(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -58,7 +60,8 @@ class ZeroTraffic:
     (an all-gather in bytes; counted from the sizes, not timed)."""
 
     def __init__(self, model: DistributedDataParallel, traffic: Traffic):
-        self.all_reduce = apply_compression(model, CompressionConfig(), traffic)
+        self.all_reduce = cast("_Uncompressed",  # compression 'none'
+                               apply_compression(model, CompressionConfig(), traffic))
         world = dist.get_world_size(model.process_group)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.broadcast_bytes = all_gather_bytes(nbytes / world, world)

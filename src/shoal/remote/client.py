@@ -6,7 +6,7 @@ import json
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import torch
@@ -97,7 +97,7 @@ class GrpcRemoteTier:
                                        timeout=timeout)
         except grpc.RpcError:
             return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return cast(bool, reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def call(self, op: str, tensors: dict[str, torch.Tensor], *, meta: dict[str, Any],
              step: int | None, deadline_s: float | None = None

@@ -14,7 +14,7 @@ changed) and gets ``out.<i>`` (and the buffers after a training forward); 'backw
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from shoal.remote import tier as tiers
 from shoal.remote.tier import NeedsState, RemoteTier, RemoteTierError
 from shoal.runtime.heartbeat import last_step
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
 _bound: set[int] = set()
 
 
@@ -31,6 +34,8 @@ class RemoteModule(nn.Module):
     """Runs ``module`` on ``tier`` (default: the run's tier, ``shoal.remote.current()``).
     ``module`` gives the parameters (their initial values are used, so a model builds the
     same with its block local or remote); its own forward is never called here."""
+
+    _single: bool  # whether the last forward's module returned one tensor (set by _RemoteCall)
 
     def __init__(self, module: nn.Module, tier: RemoteTier | None = None):
         super().__init__()
@@ -53,7 +58,8 @@ class RemoteModule(nn.Module):
             _bound.discard(id(self.tier))
 
     def _check(self, served: tiers.Capabilities) -> None:
-        def spec(tensors):
+        def spec(tensors: Iterable[tuple[str, torch.Tensor]]
+                 ) -> dict[str, tuple[list[int], str]]:
             return {n: (list(t.shape), str(t.dtype).removeprefix("torch."))
                     for n, t in tensors}
         mine = {"parameters": spec(self.named_parameters()),
@@ -150,7 +156,8 @@ class _RemoteCall(torch.autograd.Function):
     backward, for the inputs and for the module's parameters."""
 
     @staticmethod
-    def forward(ctx, remote: RemoteModule, n_inputs: int, *tensors: torch.Tensor):
+    def forward(ctx: Any, remote: RemoteModule, n_inputs: int, *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
         inputs = tensors[:n_inputs]
         forward_id, outputs, single = remote.remote_forward(inputs, grad=True)
         remote._single = single
@@ -162,7 +169,7 @@ class _RemoteCall(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_inputs, grad_params = ctx.remote.remote_backward(ctx.forward_id, grads)
         ins = [grad_inputs[str(i)].to(*meta) if str(i) in grad_inputs and meta else None
                for i, meta in enumerate(ctx.inputs_meta)]

@@ -172,7 +172,7 @@ def load_tier(config: RemoteConfig) -> RemoteTier:
     from shoal.imports import import_builder
 
     factory = import_builder(config.tier_plugin, "remote_hardware.tier_plugin")
-    tier = factory(config)
+    tier: RemoteTier = factory(config)
     missing = [name for name in ("endpoint", "capabilities", "healthy", "call", "state_dict",
                                  "load_state_dict", "close") if not hasattr(tier, name)]
     if missing:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -37,7 +37,9 @@ class WireError(ValueError):
 
 def _raw(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    # ignore: numpy's stub gives ndarray no __buffer__ before Python 3.12; it is a buffer
+    return (memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+            if flat.numel() else memoryview(b""))
 
 
 def encode(header: dict[str, Any], tensors: dict[str, torch.Tensor],
@@ -142,7 +144,8 @@ def _spec(spec: Any) -> tuple[str, torch.dtype, list[int], int]:
         raise WireError(f"a tensor spec must be an object with a string 'name', not "
                         f"{str(spec)[:60]}")
     name = spec["name"][:MAX_NAME]
-    dtype = _DTYPES.get(spec.get("dtype")) if isinstance(spec.get("dtype"), str) else None
+    dtype = (_DTYPES.get(cast(str, spec.get("dtype"))) if isinstance(spec.get("dtype"), str)
+             else None)
     if dtype is None:
         raise WireError(f"tensor {name!r}: unknown dtype {str(spec.get('dtype'))[:30]!r}")
     shape = spec.get("shape")

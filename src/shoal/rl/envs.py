@@ -86,7 +86,8 @@ def make_envs(env_id: str, num_envs: int, seeds: list[int]) -> tuple[Any, np.nda
     envs = gym.vector.SyncVectorEnv(
         [lambda: gym.make(name, disable_env_checker=True) for _ in range(num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    obs, _ = envs.reset(seed=seeds)
+    # ignore: gymnasium's stub wants a list[int | None] (invariant list); a list[int] is fine
+    obs, _ = envs.reset(seed=seeds)  # type: ignore[arg-type]
     return envs, obs
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
 import torch
@@ -15,7 +16,8 @@ from shoal.rl.envs import EnvInfo
 def _mlp(inputs: int, hidden: int, outputs: int, last_gain: float) -> nn.Sequential:
     layers = [nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
               nn.Linear(hidden, outputs)]
-    for layer, gain in zip(layers[::2], (math.sqrt(2), math.sqrt(2), last_gain), strict=True):
+    for layer, gain in zip(cast("list[nn.Linear]", layers[::2]),
+                           (math.sqrt(2), math.sqrt(2), last_gain), strict=True):
         nn.init.orthogonal_(layer.weight, gain)
         nn.init.zeros_(layer.bias)
     return nn.Sequential(*layers)
@@ -72,5 +74,5 @@ class ActorCritic(nn.Module):
 
 def to_env(actions: torch.Tensor, info: EnvInfo) -> np.ndarray:
     """Actions as the environments take them: continuous ones clipped to the bounds."""
-    actions = actions.cpu().numpy()
-    return actions if info.discrete else np.clip(actions, info.low, info.high)
+    array = actions.cpu().numpy()
+    return array if info.discrete else np.clip(array, info.low, info.high)

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -61,7 +62,9 @@ class PPO:
         self.policy = ActorCritic(self.info, c.hidden)
         optimizer = torch.optim.Adam(self.policy.parameters(), lr=c.learning_rate, eps=1e-5)
         if self.world > 1:
-            self.model, self.optimizer = h.setup(self.policy, optimizer)
+            # ddp: a module (no PipelineModel), and the optimizer given
+            self.model, self.optimizer = cast("tuple[torch.nn.Module, torch.optim.Optimizer]",
+                                              h.setup(self.policy, optimizer))
         else:  # one process: nothing to average, no DDP to pay for
             self.model, self.optimizer = self.policy.to(self.device), optimizer
         self.update = self.env_steps = 0
@@ -210,6 +213,7 @@ class PPO:
                         if metrics:  # what the checkpoint holds is logged before it is
                             metrics.sync()
                         self.save()
+                    assert watch is not None  # there is one whenever there is a store
                     signum, _ = watch.poll()
                     if signum:
                         self._stop_for(signum, metrics)
@@ -227,6 +231,7 @@ class PPO:
             self.save()
         if self.eval_return is None or not c.eval_every or self.update % c.eval_every:
             self._evaluate_and_agree()
+        assert self.eval_return is not None  # just evaluated, if it was not
         result = {"updates": self.update, "env_steps": self.env_steps,
                   "episode_return": last["return"], "episode_length": last["length"],
                   "eval_return": self.eval_return, "wall_s": wall,
@@ -267,6 +272,7 @@ class PPO:
             self.save()
         if metrics:
             metrics.finish(show_summary=False)
+        assert self.store is not None  # a preemption stops only a run that checkpoints
         self._say(f"preempted by {signal.Signals(signum).name} at update {self.update}: "
                   f"checkpoint saved in {self.store.root}; exiting with code "
                   f"{exit_code(signum)}")
@@ -286,6 +292,7 @@ class PPO:
                 "num_envs": self.num_envs, "global_envs": self.num_envs * self.world,
                 "num_steps": c.num_steps, "seed": c.seed, "rl_config": c.model_dump(mode="json"),
                 "tracking": self.tracking}
+        assert self.store is not None  # saved only with a checkpoint_dir
         path = self.store.save(self.update, {"model": model_state,
                                              "optimizer": optimizer_state}, own, meta)
         self.saved_update = self.update

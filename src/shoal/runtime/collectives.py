@@ -23,7 +23,7 @@ OPS = (*_OPS, "avg")
 gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _reduce_op(op: str) -> dist.ReduceOp:
+def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:
     if op not in OPS:
         raise UsageError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     return _OPS.get(op, dist.ReduceOp.SUM)

@@ -94,7 +94,7 @@ def rendezvous_join_delay(wanted: bool) -> bool:
         dynamic_rendezvous._delay = original
         return True
 
-    def _delay(seconds) -> None:
+    def _delay(seconds: float | tuple[float, float]) -> None:
         if not isinstance(seconds, tuple):  # a fixed wait between retries stays
             original(seconds)
 

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,7 +94,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistEnv:
         torch.cuda.set_device(_device)
     else:
         _device = torch.device("cpu")
-    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     if not dist.is_initialized():
         if env.launched:
             dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)

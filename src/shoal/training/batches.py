@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,7 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         moved = {k: move_to_device(v, device) for k, v in batch.items()}
         try:
-            return type(batch)(moved)  # a dict subclass, a BatchEncoding: the same type
+            return cast(Any, type(batch))(moved)  # a dict subclass, a BatchEncoding: the same type
         except TypeError:
             return moved
     if _is_dataclass(batch):

@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from shoal.parallel.zero import gather_optimizer_state, is_zero, load_optimizer_
 from shoal.remote.module import remote_modules
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 class Trainer(Protocol):
@@ -162,6 +165,7 @@ class Checkpointing:
             # A rank's saved streams may come from another layout: the tp ranks of a dp
             # rank must draw the same numbers (replicated activations, dropout).
             states = [rng.capture()]
+            assert t.harness.mesh is not None  # built by the setup of a tp model
             dist.broadcast_object_list(states, group=t.harness.mesh["tp"].get_group(),
                                        group_src=0)
             rng.restore(states[0])
@@ -256,7 +260,8 @@ def model_and_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     """Model and optimizer state keyed by parameter name, the same form under every
     strategy; sharded tensors stay DTensors (DCP writes each shard once)."""
     if is_zero(optimizer):
-        return get_model_state_dict(model), gather_optimizer_state(model, optimizer)
+        return get_model_state_dict(model), gather_optimizer_state(
+            model, cast("ZeroRedundancyOptimizer", optimizer))
     fresh = not optimizer.state
     with _unhooked(optimizer):
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -271,7 +276,7 @@ def load_model_and_optimizer_state(model: torch.nn.Module, optimizer: torch.opti
     """Load what ``model_and_optimizer_state`` gave, from any strategy, into this one."""
     if is_zero(optimizer):
         set_model_state_dict(model, model_state)
-        load_optimizer_state(model, optimizer, optimizer_state)
+        load_optimizer_state(model, cast("ZeroRedundancyOptimizer", optimizer), optimizer_state)
     elif any(isinstance(p, int) for group in optimizer_state["param_groups"]
              for p in group["params"]):
         # Written before checkpoints were keyed by name: the optimizer's own numbering.

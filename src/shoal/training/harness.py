@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast, overload
 
 import numpy as np
 import torch
@@ -126,7 +126,9 @@ class Harness:
         self.device = rt.device()
         self.precision = Precision(config.precision, self.device, sharded=self.sharded)
         self.traffic = Traffic()
-        self.comm = None  # the compression hook's or the weight averaging's state
+        # the compression hook's or the weight averaging's state: used by what it has
+        # (after_backward, after_step, synchronize, syncing), hence Any
+        self.comm: Any = None
         self.last_comm = StepComm(0.0, 0.0, 0.0)  # what the last step sent and waited for
         self.last_grad_norm: torch.Tensor | None = None
         # Live recovery: (count, index) of the replica groups whose data this job splits.
@@ -135,11 +137,13 @@ class Harness:
     @property
     def data_ranks(self) -> int:
         """Data-parallel ranks over the whole job (every replica group's)."""
+        assert self.dims.dp is not None  # resolved in __init__
         return self.dims.dp * self.replica_groups[0]
 
     @property
     def data_rank(self) -> int:
         """This rank's index among ``data_ranks``."""
+        assert self.dims.dp is not None  # resolved in __init__
         return self.replica_groups[1] * self.dims.dp + self.dp_rank
 
     @property
@@ -174,6 +178,14 @@ class Harness:
         """The ranks holding the other pipeline stages (None without pp)."""
         return self._mesh()["pp"].get_group() if self.dims.pp_enabled else None
 
+    @overload
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any = None
+              ) -> tuple[nn.Module | PipelineModel, torch.optim.Optimizer]: ...
+
+    @overload
+    def setup(self, model: nn.Module, optimizer: None = None, loss_fn: Any = None
+              ) -> tuple[nn.Module | PipelineModel, None]: ...
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
               loss_fn: Any = None) -> tuple[nn.Module | PipelineModel,
                                             torch.optim.Optimizer | None]:
@@ -201,6 +213,7 @@ class Harness:
         if init is not None and not self.split:
             materialize(model, self.device, init)  # replicas: the whole model, now
             if optimizer is not None:
+                assert names is not None  # taken with the optimizer
                 follow_parameters(model, optimizer, names)
             init = None
         if init is None:
@@ -253,11 +266,13 @@ class Harness:
             if c.activation_checkpointing or self.sharded or dims.dp_enabled or c.compile \
             else None
         if c.activation_checkpointing:
+            assert blocks is not None  # found above for activation checkpointing
             apply_activation_checkpointing(model, blocks)
         if c.compile:  # block by block, before FSDP makes each block a unit
             apply_compile(model, blocks)
 
         def data_parallel(module: nn.Module, blocks: list[nn.Module] | None) -> nn.Module:
+            assert dims.dp is not None  # resolved in __init__
             if self.sharded:
                 reshard = c.strategy == "fsdp"
                 # Counted before sharding, from the whole parameters.
@@ -273,12 +288,15 @@ class Harness:
         if dims.pp_enabled:
             pipeline = apply_pp(model, mesh["pp"], c.pipeline, loss_fn,
                                 parallelize_stage=lambda stage: data_parallel(
-                                    stage, list(stage.blocks.values()) if blocks else None))
+                                    stage, list(cast(nn.ModuleDict, stage.blocks).values())
+                                    if blocks else None))
             if optimizer is not None:
+                assert names is not None  # taken with the optimizer
                 follow_parameters(pipeline.stage, optimizer, names, only_present=True)
             return pipeline, optimizer
         model = data_parallel(model, blocks)
         if optimizer is not None:
+            assert names is not None  # taken with the optimizer
             follow_parameters(model, optimizer, names)
         return model, optimizer
 
@@ -316,6 +334,7 @@ class Harness:
         go to the dp ranks; the tp and pp ranks of one dp rank read the same batches.
         Pipeline training needs full batches: an epoch's incomplete last one is dropped."""
         # Each live replica group validates on the whole set; training splits over them all.
+        assert self.dims.dp is not None  # resolved in __init__
         ranks, rank = (self.dims.dp, self.dp_rank) if evaluation else (self.data_ranks,
                                                                        self.data_rank)
         loader = shard_dataloader(data, world_size=ranks, rank=rank,
@@ -386,7 +405,8 @@ class Harness:
         else:
             yield
 
-    def step(self, optimizer: torch.optim.Optimizer, *, model: nn.Module | None = None,
+    def step(self, optimizer: torch.optim.Optimizer, *,
+             model: nn.Module | PipelineModel | None = None,
              clip_grad_norm: float | None = None, check_finite: bool = False,
              measure_norm: bool = False) -> bool:
         """Optimizer step (unscale, optional clipping, skip on fp16 overflow), then zero_grad.
@@ -411,7 +431,7 @@ class Harness:
                 norm = _full(torch.nn.utils.get_total_norm(
                     [p.grad for p in params if p.grad is not None]))
         self.last_grad_norm = norm
-        if check_finite and not torch.isfinite(norm):
+        if check_finite and not torch.isfinite(cast(torch.Tensor, norm)):  # computed above
             if self.precision.scaler is not None:
                 self.precision.scaler.update()  # lower the loss scale, as an overflow does
             optimizer.zero_grad(set_to_none=True)

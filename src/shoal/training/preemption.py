@@ -16,9 +16,13 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -43,7 +47,7 @@ class PreemptionWatch:
     def __init__(self, device: torch.device):
         self.device = device
         self.received: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self.waiting: Callable[[], bool] = lambda: False
         """Whether the rank now waits for the other replica groups (then a signal raises)."""

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ from shoal.training.preemption import Preempted, PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
 
+if TYPE_CHECKING:
+    from shoal.ft.session import LiveSession
+
 
 def _all_gather_flags(flag: bool) -> list[bool]:
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
@@ -59,7 +62,7 @@ def _all_gather_flags(flag: bool) -> list[bool]:
     return flags
 
 
-def _rescale_gradients(model: nn.Module, factor: float) -> None:
+def _rescale_gradients(model: nn.Module | PipelineModel, factor: float) -> None:
     for param in model.parameters():
         if param.grad is not None:
             param.grad.mul_(factor)
@@ -124,7 +127,7 @@ class Trainer:
         self.accumulate = c.accumulate_grad_batches  # resuming on another W may change it
         self._position: int | None = 0  # global samples of the epoch consumed so far
         self.step_position: int | None = 0  # where the step under way began (live mode)
-        self.live = None  # the live session while fit runs in a live job
+        self.live: LiveSession | None = None  # the live session while fit runs in a live job
         self.history: list[dict[str, float]] = []
         self.skipped_steps: list[int] = []  # steps skipped for non-finite gradients
         self._preemption: PreemptionWatch | None = None
@@ -177,6 +180,7 @@ class Trainer:
         if c.resume:  # a path without checkpoint_dir is read, and nothing is written
             # (A live group other than 0 reads the checkpoints group 0 writes.)
             directory = c.checkpoint_dir if c.resume == "auto" else str(Path(c.resume).parent)
+            assert directory is not None  # the config requires checkpoint_dir for 'auto'
             reader = self.checkpointing or Checkpointing(self, directory, every=None,
                                                          keep_last=c.keep_last)
             consumed = reader.resume(c.resume)
@@ -185,7 +189,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         self._preemption = PreemptionWatch(self.harness.device) if self.checkpointing else None
         if self._preemption and self.live is not None:
-            self._preemption.waiting = lambda: self.live.in_quorum
+            self._preemption.waiting = lambda: cast("LiveSession", self.live).in_quorum
         h = self.harness
         self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size,
                                     self.flops_per_token, c.precision,
@@ -205,9 +209,10 @@ class Trainer:
                     train, epoch_done = self._train_epoch(loader, progress, max_steps,
                                                           consumed)
                 except Redo:  # live recovery: the step starts again where it began
-                    consumed = self.step_position
+                    consumed = cast(int, self.step_position)  # live: a loader with positions
                     continue
                 except Preempted as stop:  # while waiting for the other replica groups
+                    assert self.live is not None  # raised only while a live session waits
                     self.live.leaving = preemption_exit_code(stop.signum)
                     self._stop_for(stop.signum, self.step_position)
                 consumed = 0
@@ -273,6 +278,7 @@ class Trainer:
         length = agreed_length(loader, h.device)
         loss_sum = torch.zeros((), device=h.device, dtype=torch.float64)
         micro_batches = samples = 0
+        step_loss: torch.Tensor | int  # a tensor once the window's first loss is added
         traffic = h.traffic
         before = (traffic.steps, traffic.total_bytes, traffic.total_wait)
         start = time.perf_counter()
@@ -298,12 +304,13 @@ class Trainer:
             n = samples_in(batch)
             if self.pipeline:  # forward and backward through every stage in one call
                 inputs, targets = pipeline_pair(batch)
-                loss = h.pipeline_step(model, inputs, targets,
+                loss = h.pipeline_step(cast(PipelineModel, model), inputs, targets,
                                        scale=self._weight(window, window_samples, n))
             else:
-                with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
+                with h.no_sync(cast(nn.Module, model),
+                               enabled=not step_now):  # all-reduce once per window
                     with h.autocast():
-                        loss = loss_of(model, batch, self.loss_fn, self.step_fn)
+                        loss = loss_of(cast(nn.Module, model), batch, self.loss_fn, self.step_fn)
                     h.backward(self._scaled(loss, window, window_samples, n))
             if clock:
                 clock.lap("forward_backward")
@@ -326,7 +333,8 @@ class Trainer:
             if self._metrics:
                 self._metrics.step(self.global_step, self.epoch,
                                    self.optimizer.param_groups[0]["lr"],
-                                   step_loss / (position + 1), h.last_grad_norm,
+                                   cast(torch.Tensor, step_loss) / (position + 1),
+                                   h.last_grad_norm,
                                    step_samples, step_tokens, h.last_comm)
             self._checkpoint_step(self._position)
             if progress.wants_update():
@@ -424,6 +432,7 @@ class Trainer:
 
     def _stop_for(self, signum: int, consumed: int | None) -> None:
         """Every rank is here at the same step: save, then exit with 128 + signal."""
+        assert self.checkpointing is not None  # preemption is watched only with checkpoints
         if self.checkpointing.saved_step != self.global_step:
             self.checkpointing.save(consumed)
         self.checkpointing.store.wait()
