@@ -12,6 +12,7 @@ from shoal.cli.run import live_settings, register, spec_from_args
 from shoal.errors import UsageError
 from shoal.ft import FaultToleranceConfig, ReplicaPlace
 from shoal.ft.engine import check_available
+from tests.helpers import run_shoal
 
 
 def _flags(**given) -> argparse.Namespace:
@@ -106,3 +107,16 @@ def test_missing_torchft_names_the_extra(monkeypatch):
     with pytest.raises(UsageError, match=r"live recovery needs torchft: pip install "
                                          r"'shoal\[ft\]'"):
         check_available()
+
+
+@pytest.mark.timeout(600)
+def test_shoal_train_says_nothing_of_settings_nobody_gave(tmp_path):
+    """`--replica-groups` over a run config without a fault_tolerance section: the workers'
+    Trainer reports no conflict (its defaults are not settings of its own)."""
+    pytest.importorskip("torchft")
+    out = run_shoal("train", "--config", "examples/digits.yaml", "--replica-groups", "2",
+                    "trainer.max_steps=2", "trainer.epochs=1", f"run.dir={tmp_path}",
+                    timeout=540)  # a hang guard: the job takes about 20 s
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "live mode: 2 replica groups" in out.stderr + out.stdout
+    assert "fault_tolerance sets" not in out.stderr + out.stdout, out.stderr

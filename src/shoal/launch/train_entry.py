@@ -44,12 +44,14 @@ def _train(config: RunConfig) -> dict[str, float]:
     train_data, val_data = data if isinstance(data, tuple) else (data, None)
     optimizer = build(config.optimizer, model.parameters())
     # Built by the Trainer on the optimizer it trains with (zero1 replaces the optimizer).
-    # (mypy does not carry the condition's narrowing into the lambda)
-    scheduler = ((lambda opt: build(config.lr_scheduler, opt))  # type: ignore[arg-type]
-                 if config.lr_scheduler else None)
+    schedule = config.lr_scheduler
+    scheduler = (lambda opt: build(schedule, opt)) if schedule else None
     loss_fn = build(config.loss) if config.loss else None
+    # fault_tolerance: the launcher runs this config's (its flags over it) and hands it to
+    # every worker, where the Trainer reads it; given here too, each of its defaults would
+    # read as a setting of the Trainer's own that the launcher overrules.
     trainer = Trainer(model, optimizer, loss_fn=loss_fn, lr_scheduler=scheduler,
-                      **config.trainer.model_dump())
+                      **config.trainer.model_dump(exclude={"fault_tolerance"}))
     trainer.run_config = config.model_dump(mode="json")
     metrics = trainer.fit(train_data, val_data)
     if rt.is_main():
