@@ -9,15 +9,26 @@ if TYPE_CHECKING:  # pydantic is imported by the configs that call usage_error
 
 
 class UsageError(ValueError):
-    """Bad input from the user (command line, configuration). The CLI prints it and exits 2."""
+    """Bad input from the user (command line, configuration). The CLI prints it and exits 2.
+
+    Raised by shoal's command line and Python API when an argument, a setting or the data is
+    wrong; the message names it and says what to change.
+    """
 
 
 class LaunchError(RuntimeError):
-    """The launch could not start (e.g. the requested port is taken)."""
+    """A job that shoal started on the user's behalf did not run as it must.
+
+    Raised by `shoal bench scaling` when the run at one world size fails, or records no step
+    after the warm-up steps.
+    """
 
 
 class NonFiniteError(RuntimeError):
-    """A NaN or Inf loss or gradient with nonfinite='stop'; names the step and the ranks."""
+    """A NaN or Inf loss or gradient with nonfinite='stop'; names the step and the ranks.
+
+    Raised by ``Trainer.fit`` when ``nonfinite='stop'`` and a step's gradients are not finite.
+    """
 
 
 def usage_error(exc: ValidationError, prefix: str = "") -> UsageError:

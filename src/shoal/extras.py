@@ -63,12 +63,23 @@ def missing(extra: str) -> list[str]:
 
 
 def installed(extra: str) -> bool:
+    """Whether every module of ``extra`` can be imported here.
+
+    Raises:
+        KeyError: If ``extra`` is not one of shoal's extras.
+    """
     return not missing(extra)
 
 
 def require(extra: str, feature: str | None = None) -> None:
     """Nothing if ``extra`` is installed; else a one-line UsageError naming what to install.
-    ``feature``: what needs it, in the user's words (default: what the extra brings)."""
+    ``feature``: what needs it, in the user's words (default: what the extra brings).
+
+    Raises:
+        UsageError: If a module of ``extra`` cannot be imported; the message names the
+            packages and the pip line that installs them.
+        KeyError: If ``extra`` is not one of shoal's extras.
+    """
     absent = [EXTRAS[extra].package(module) for module in missing(extra)]
     if absent:
         what = feature or EXTRAS[extra].brings
@@ -78,7 +89,10 @@ def require(extra: str, feature: str | None = None) -> None:
 
 def needs(extra: str) -> Callable[[F], F]:
     """Mark a builder a run config may name as needing ``extra``: the config's loader
-    checks it (``shoal.imports.import_builder``), before any process starts."""
+    checks it (``shoal.imports.import_builder``), before any process starts.
+
+    Never raises.
+    """
     def mark(function: F) -> F:
         function.shoal_extra = extra  # type: ignore[attr-defined]
         return function

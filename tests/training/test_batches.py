@@ -136,3 +136,14 @@ def test_a_model_without_a_loss_is_named(single_process):
     trainer = shoal.Trainer(model, make_optimizer(model), batch_size=BATCH, progress=False)
     with pytest.raises(UsageError, match="the model returned dict without a 'loss'"):
         trainer.fit(Shaped(lambda x, y: {"x": x}), max_steps=1)
+
+
+@pytest.mark.parametrize("pipeline, says", [
+    ({"microbatch": 4}, "pipeline.microbatch: unknown key"),
+    ({"microbatches": 0}, "pipeline.microbatches"),
+])
+def test_a_bad_pipeline_setting_of_the_harness_is_one_line(pipeline, says):
+    from shoal.training.harness import Harness
+
+    with pytest.raises(UsageError, match=says):
+        Harness(pipeline=pipeline)

@@ -32,7 +32,11 @@ from shoal.launch.summary import classify, collect_failures, first_traceback, ro
 
 
 class WorkerFailedError(RuntimeError):
-    """A spawned worker failed; the message names the rank, the cause and its traceback."""
+    """A spawned worker failed; the message names the rank, the cause and its traceback.
+
+    Raised by ``shoal.spawn`` when a worker raises, exits with a non-zero code or is killed,
+    and no restart is left (``max_restarts``).
+    """
 
     def __init__(self, rank: int, cause: str, traceback: str | None):
         self.rank = rank
@@ -48,6 +52,13 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple = (), *,
 
     Each process gets the launcher environment, so ``shoal.init()`` inside ``fn`` joins the
     group. ``fn`` must be importable by name (defined at module top level).
+
+    Raises:
+        UsageError: If ``nprocs`` is below 1.
+        WorkerFailedError: If a worker raises, exits with a non-zero code or is killed, and
+            no restart is left; the message names its rank, the cause and the traceback.
+        pickle.PicklingError: If ``fn`` or ``args`` cannot be pickled, e.g. a lambda (some
+            objects raise TypeError or AttributeError instead).
     """
     if nprocs < 1:
         raise UsageError(f"nprocs must be at least 1, got {nprocs}")

@@ -25,7 +25,14 @@ WAIT_LINE_EVERY_S = 10.0  # while on_failure 'wait' waits, one line this often
 class GrpcRemoteTier:
     """Calls a `shoal remote serve` server over one gRPC channel (TLS unless the endpoint is
     loopback or the config says insecure), with the bearer token on every call, keepalive,
-    a deadline on every call, and retries of lost connections under the same request id."""
+    a deadline on every call, and retries of lost connections under the same request id.
+
+    Raises:
+        UsageError: If the token file or variable is missing, empty or not a valid token
+            (printable ASCII, at most 4096 bytes), or ``tls_ca`` cannot be read.
+        pydantic.ValidationError: If ``config`` is a dict with an unknown or invalid setting
+            (see ``RemoteConfig``).
+    """
 
     def __init__(self, config: RemoteConfig | dict[str, Any]):
         self.config = config if isinstance(config, RemoteConfig) else RemoteConfig(**config)
@@ -160,7 +167,10 @@ class GrpcRemoteTier:
 
     def wait_until_healthy(self, timeout: float) -> bool:
         """Poll the standard health service until SERVING or ``timeout`` seconds, saying
-        so on stderr every ``WAIT_LINE_EVERY_S`` while it waits."""
+        so on stderr every ``WAIT_LINE_EVERY_S`` while it waits.
+
+        Never raises.
+        """
         start = time.monotonic()
         end, said = start + timeout, None
         while True:

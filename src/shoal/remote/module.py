@@ -33,7 +33,15 @@ _bound: set[int] = set()
 class RemoteModule(nn.Module):
     """Runs ``module`` on ``tier`` (default: the run's tier, ``shoal.remote.current()``).
     ``module`` gives the parameters (their initial values are used, so a model builds the
-    same with its block local or remote); its own forward is never called here."""
+    same with its block local or remote); its own forward is never called here.
+
+    Raises:
+        UsageError: If no tier is given and the run has none, the tier already runs another
+            RemoteModule, or the module it serves has other parameters or buffers than
+            ``module``.
+        RemoteTierError: If the tier cannot say what it serves (server unreachable, token
+            refused, no reply within ``deadline_s``).
+    """
 
     _single: bool  # whether the last forward's module returned one tensor (set by _RemoteCall)
 
@@ -98,7 +106,12 @@ class RemoteModule(nn.Module):
     def remote_forward(self, inputs: tuple[torch.Tensor, ...], grad: bool
                        ) -> tuple[str, list[torch.Tensor], bool]:
         """Run forward remotely; returns its request id, the outputs and whether a single
-        tensor came back."""
+        tensor came back.
+
+        Raises:
+            RemoteTierError: If the call fails (see ``RemoteTier``); a server that lost the
+                module's state (``NeedsState``) is sent it again first, once.
+        """
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor)),
                       torch.device("cpu"))
         autocast = None
@@ -179,7 +192,10 @@ class _RemoteCall(torch.autograd.Function):
 
 
 def remote_modules(model: nn.Module) -> dict[str, RemoteModule]:
-    """The model's remote modules by qualified name."""
+    """The model's remote modules by qualified name.
+
+    Never raises.
+    """
     return {n: m for n, m in model.named_modules() if isinstance(m, RemoteModule)}
 
 

@@ -36,17 +36,29 @@ def check_token(token: str, where: str) -> str:
 
 
 class RemoteTierError(RuntimeError):
-    """A remote call failed; the message names the endpoint, the call and the step."""
+    """A remote call failed; the message names the endpoint, the call and the step.
+
+    Raised by a tier's ``call`` and ``capabilities`` (and so by ``RemoteModule`` and
+    ``Trainer.fit``) when a call is refused, gets no reply within ``deadline_s``, finds the
+    server unreachable, or finds it serving another module.
+    """
 
 
 class NeedsState(RemoteTierError):
-    """The server holds no module state for this session (new, or the server restarted)."""
+    """The server holds no module state for this session (new, or the server restarted).
+
+    Raised by ``GrpcRemoteTier.call`` for a forward that brings no state; ``RemoteModule``
+    catches it and sends the forward again with its state.
+    """
 
 
 @dataclass(frozen=True)
 class Capabilities:
     """What a remote tier serves: the module (by import path), where it runs, and the names,
-    shapes and dtypes of its parameters and buffers (which the local stand-in must match)."""
+    shapes and dtypes of its parameters and buffers (which the local stand-in must match).
+
+    Never raises.
+    """
 
     module: str
     device: str
@@ -63,6 +75,12 @@ class RemoteTier(Protocol):
     the tensors each takes and gives) and returns within ``deadline_s`` or raises
     ``RemoteTierError``. ``state_dict`` is saved in every checkpoint and given back to
     ``load_state_dict`` on resume (a tier that keeps state of its own restores it there).
+
+    Raises:
+        RemoteTierError: From ``call`` when the call fails or misses ``deadline_s``
+            (``NeedsState`` when the server holds no state for the session), and from
+            ``capabilities`` or ``load_state_dict`` when the server cannot answer or serves
+            another module.
     """
 
     endpoint: str
@@ -97,7 +115,14 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 
 
 class RemoteConfig(BaseModel):
-    """The ``remote_hardware:`` section of a run config."""
+    """The ``remote_hardware:`` section of a run config.
+
+    Raises:
+        pydantic.ValidationError: If a setting is unknown or invalid: an endpoint not
+            host:port, a tier_plugin not 'package.module:factory', both token_file and
+            token_env, or a non-loopback endpoint without tls_ca or insecure (a run config's
+            loader reports it as a one-line UsageError).
+    """
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -168,7 +193,14 @@ class RemoteConfig(BaseModel):
 
 
 def load_tier(config: RemoteConfig) -> RemoteTier:
-    """The tier the plugin's factory builds from ``config``."""
+    """The tier the plugin's factory builds from ``config``.
+
+    Raises:
+        UsageError: If ``tier_plugin`` cannot be imported, is not callable, needs an extra
+            that is not installed, or returns an object that lacks a method of
+            ``RemoteTier``; also the default tier's token and ``tls_ca`` problems (see
+            ``GrpcRemoteTier``).
+    """
     from shoal.imports import import_builder
 
     factory = import_builder(config.tier_plugin, "remote_hardware.tier_plugin")
@@ -199,7 +231,12 @@ _current: RemoteTier | None = None
 
 
 def current() -> RemoteTier:
-    """The run's tier (from its ``remote_hardware`` section), for model builders."""
+    """The run's tier (from its ``remote_hardware`` section), for model builders.
+
+    Raises:
+        UsageError: If there is none: the run config has no ``remote_hardware`` section and
+            no ``using`` block is open.
+    """
     if _current is None:
         raise UsageError("no remote tier: give the run config a remote_hardware section, or "
                          "pass tier= to RemoteModule")
@@ -208,7 +245,10 @@ def current() -> RemoteTier:
 
 @contextlib.contextmanager
 def using(tier: RemoteTier) -> Iterator[RemoteTier]:
-    """Make ``tier`` the one ``current()`` returns; closes it at the end."""
+    """Make ``tier`` the one ``current()`` returns; closes it at the end.
+
+    Never raises.
+    """
     global _current
     previous, _current = _current, tier
     try:

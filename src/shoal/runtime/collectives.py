@@ -35,7 +35,15 @@ def _check_avg(tensor: torch.Tensor) -> None:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Reduce ``tensor`` across ranks in place and return it. ``avg`` works on every backend."""
+    """Reduce ``tensor`` across ranks in place and return it. ``avg`` works on every backend.
+
+    Raises:
+        UsageError: If ``op`` is not one of sum, max, min, product, avg, or ``avg`` gets a
+            tensor that is not floating-point.
+        ValueError: If the process group is not initialized (call ``shoal.init()`` first).
+        RuntimeError: If the collective fails, e.g. a peer died or the group's timeout
+            passed (torch's DistBackendError).
+    """
     reduce_op = _reduce_op(op)
     if op == "avg":
         _check_avg(tensor)
@@ -47,14 +55,26 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 
 def all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (same shape on all ranks), indexed by rank."""
+    """Every rank's ``tensor`` (same shape on all ranks), indexed by rank.
+
+    Raises:
+        ValueError: If the process group is not initialized (call ``shoal.init()`` first).
+        RuntimeError: If the collective fails, e.g. a peer died or the group's timeout
+            passed (torch's DistBackendError).
+    """
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(out, tensor.contiguous())
     return out
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Overwrite ``tensor`` on every rank with rank ``src``'s, in place, and return it."""
+    """Overwrite ``tensor`` on every rank with rank ``src``'s, in place, and return it.
+
+    Raises:
+        ValueError: If the process group is not initialized (call ``shoal.init()`` first).
+        RuntimeError: If ``src`` is not a rank of the job, or the collective fails (e.g. a
+            peer died or the group's timeout passed).
+    """
     dist.broadcast(tensor, src=src)
     return tensor
 
@@ -63,6 +83,14 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce ``tensor`` across ranks and return this rank's slice of dim 0.
 
     Dim 0 must divide by the world size; rank r receives rows ``[r*n/W, (r+1)*n/W)``.
+
+    Raises:
+        UsageError: If dim 0 of ``tensor`` does not divide by the world size (or it has no
+            dim 0), ``op`` is not one of sum, max, min, product, avg, or ``avg`` gets a
+            tensor that is not floating-point.
+        ValueError: If the process group is not initialized (call ``shoal.init()`` first).
+        RuntimeError: If the collective fails, e.g. a peer died or the group's timeout
+            passed (torch's DistBackendError).
     """
     world = dist.get_world_size()
     if tensor.dim() == 0 or tensor.shape[0] % world:
@@ -88,19 +116,40 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 
 def barrier() -> None:
-    """Wait until every rank reaches this point."""
+    """Wait until every rank reaches this point.
+
+    Raises:
+        ValueError: If the process group is not initialized (call ``shoal.init()`` first).
+        RuntimeError: If a peer died or the group's timeout passed before every rank came.
+    """
     dist.barrier()
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, indexed by rank."""
+    """Every rank's picklable ``obj``, indexed by rank.
+
+    Raises:
+        ValueError: If the process group is not initialized (call ``shoal.init()`` first).
+        RuntimeError: If the collective fails, e.g. a peer died or the group's timeout
+            passed (torch's DistBackendError).
+        pickle.PicklingError: If ``obj`` cannot be pickled (some objects raise TypeError or
+            AttributeError instead).
+    """
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s picklable ``obj`` on every rank."""
+    """Rank ``src``'s picklable ``obj`` on every rank.
+
+    Raises:
+        ValueError: If the process group is not initialized (call ``shoal.init()`` first).
+        RuntimeError: If ``src`` is not a rank of the job, or the collective fails (e.g. a
+            peer died or the group's timeout passed).
+        pickle.PicklingError: If ``obj`` cannot be pickled on rank ``src`` (some objects raise
+            TypeError or AttributeError instead).
+    """
     box = [obj if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src)
     return box[0]

@@ -24,7 +24,10 @@ _BACKENDS = ("gloo", "nccl")
 
 @dataclass(frozen=True)
 class DistEnv:
-    """What the launcher told this process about its place in the job."""
+    """What the launcher told this process about its place in the job.
+
+    Never raises.
+    """
 
     rank: int = 0
     """Global rank of this process."""
@@ -82,7 +85,17 @@ def check_gpus(backend: str | None, processes: int) -> None:
 
 
 def init(backend: str | None = None, timeout: float | None = None) -> DistEnv:
-    """Join the job's process group (once; later calls return the same DistEnv)."""
+    """Join the job's process group (once; later calls return the same DistEnv).
+
+    Raises:
+        UsageError: If ``backend`` is not 'gloo' or 'nccl', is 'nccl' with no CUDA device
+            visible, or this node runs more NCCL processes than it has GPUs.
+        ValueError: If the launcher's environment is incomplete (e.g. RANK and WORLD_SIZE
+            set, MASTER_ADDR not).
+        RuntimeError: If the group cannot form: the rendezvous store is unreachable, or the
+            other ranks do not join within ``timeout`` (torch's DistNetworkError,
+            DistStoreError).
+    """
     global _env, _device
     if _env is not None and dist.is_initialized():
         return _env
@@ -109,7 +122,10 @@ def init(backend: str | None = None, timeout: float | None = None) -> DistEnv:
 
 
 def cleanup() -> None:
-    """Leave the process group; safe to call when not initialized."""
+    """Leave the process group; safe to call when not initialized.
+
+    Never raises.
+    """
     global _env, _device
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -122,31 +138,46 @@ def is_initialized() -> bool:
 
 
 def rank() -> int:
-    """Global rank (0 outside a job)."""
+    """Global rank (0 outside a job).
+
+    Never raises.
+    """
     if dist.is_initialized():
         return dist.get_rank()
     return DistEnv.from_environ().rank
 
 
 def local_rank() -> int:
-    """Rank on this node (0 outside a job)."""
+    """Rank on this node (0 outside a job).
+
+    Never raises.
+    """
     return (_env or DistEnv.from_environ()).local_rank
 
 
 def world_size() -> int:
-    """Number of processes (1 outside a job)."""
+    """Number of processes (1 outside a job).
+
+    Never raises.
+    """
     if dist.is_initialized():
         return dist.get_world_size()
     return DistEnv.from_environ().world_size
 
 
 def is_main() -> bool:
-    """True on global rank 0, the process that logs, shows progress and writes files."""
+    """True on global rank 0, the process that logs, shows progress and writes files.
+
+    Never raises.
+    """
     return rank() == 0
 
 
 def device() -> torch.device:
-    """The device this process computes on (its GPU under NCCL, else the CPU)."""
+    """The device this process computes on (its GPU under NCCL, else the CPU).
+
+    Never raises.
+    """
     if _device is not None:
         return _device
     if torch.cuda.is_available():

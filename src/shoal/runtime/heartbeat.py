@@ -76,7 +76,10 @@ def enable_from_environment() -> None:
 
 def heartbeat(step: int) -> None:
     """Tell the launcher this rank made progress (reached ``step``). Cheap; the file is
-    written only when launched by `shoal run`."""
+    written only when launched by `shoal run`.
+
+    Never raises.
+    """
     global _last_step, _beaten
     _last_step, _beaten = step, True
     if _map is not None:

@@ -18,7 +18,10 @@ _ENV_PREFIXES = ("MASTER_", "RANK", "LOCAL_", "WORLD_SIZE", "GROUP_", "ROLE_", "
 
 
 def info() -> dict[str, Any]:
-    """Backend, world size, rank, devices and versions of this process."""
+    """Backend, world size, rank, devices and versions of this process.
+
+    Never raises.
+    """
     cuda = torch.cuda.is_available()
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
     return {

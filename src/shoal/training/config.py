@@ -29,7 +29,13 @@ from shoal.parallel.topology import ParallelDims
 Precision = Literal["32", "bf16-mixed", "fp16-mixed"]
 
 class TrainerConfig(BaseModel):
-    """Settings of ``shoal.Trainer`` and the ``trainer:`` section of a run config."""
+    """Settings of ``shoal.Trainer`` and the ``trainer:`` section of a run config.
+
+    Raises:
+        pydantic.ValidationError: If a setting is unknown or invalid, or settings conflict
+            (e.g. a compression with a strategy other than 'ddp'); ``TrainerConfig.build``
+            raises a one-line UsageError naming the key instead.
+    """
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 

@@ -21,6 +21,7 @@ from typing import Any, cast, overload
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -64,7 +65,11 @@ from shoal.training.precision import Precision
 
 
 def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch RNGs of this process."""
+    """Seed python, numpy and torch RNGs of this process.
+
+    Raises:
+        ValueError: If ``seed`` is below ``-2**63`` or above ``2**64 - 1`` (torch's range).
+    """
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -89,7 +94,14 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
 
 
 class Harness:
-    """Wraps model, optimizer and data for the chosen strategy and precision."""
+    """Wraps model, optimizer and data for the chosen strategy and precision.
+
+    Raises:
+        UsageError: If a setting is unknown or invalid (the Trainer's checks), the backend
+            cannot run here, or the parallel degrees do not make up the world size.
+        ValueError: If the launcher's environment is incomplete (see ``shoal.init``).
+        RuntimeError: If the process group cannot form (see ``shoal.init``).
+    """
 
     def __init__(self, strategy: str = "ddp", precision: str = "32", *,
                  backend: str | None = None, ddp: DDPConfig | dict | None = None,
@@ -111,7 +123,10 @@ class Harness:
                    "tensor_parallel": tensor_parallel, "pipeline": pipeline}
         # The Harness has no batch size of its own (a pipeline checks each batch it gets):
         # one that the microbatches divide passes the config's check.
-        micro = PipelineConfig.model_validate(pipeline or {}).microbatches
+        try:
+            micro = PipelineConfig.model_validate(pipeline or {}).microbatches
+        except ValidationError:  # TrainerConfig.build says what is wrong, in one line
+            micro = 1
         config = TrainerConfig.build(strategy=strategy, precision=precision, backend=backend,
                                      batch_size=micro, seed=seed, compile=compile,
                                      activation_checkpointing=activation_checkpointing,
@@ -206,6 +221,15 @@ class Harness:
         ``shoal.parallel.materialize``) gets storage only for this rank's part, after it is
         split (zero2, fsdp, tp, pp), or whole first (the replicating strategies); its
         initial values are those of the whole model, and ``optimizer`` follows them.
+
+        Raises:
+            UsageError: If the model or optimizer does not fit the strategy: parameters
+                partly on the meta device or without ``init_parameter``, an optimizer that
+                holds other parameters or has stepped, ``blocks`` that name no module or no
+                blocks to checkpoint, no optimizer under 'zero1', no ``loss_fn`` under pp, a
+                model that tp or pp cannot split, or ``ddp.sync_batchnorm`` on the CPU.
+            RuntimeError: If a collective of the setup fails (a peer died), or DDP finds
+                that the ranks' models differ.
         """
         c = self.config
         init = initializer(model) if on_meta(model) else None
@@ -307,7 +331,12 @@ class Harness:
 
     def synchronize(self) -> None:
         """local_sgd / diloco: bring every replica to the shared model now (at the end of
-        training; the Trainer does it before its last validation). No-op for ddp."""
+        training; the Trainer does it before its last validation). No-op for ddp.
+
+        Raises:
+            RuntimeError: If the weight exchange fails (a peer died, or the group's timeout
+                passed).
+        """
         if hasattr(self.comm, "synchronize"):
             self.comm.synchronize()
             self.traffic.end_step(step=False)
@@ -319,7 +348,10 @@ class Harness:
         return f"ddp/{c.compression.name}" if c.strategy == "ddp" else c.strategy
 
     def comm_state_dict(self) -> dict:
-        """State of the compression or weight averaging (checkpointed per rank)."""
+        """State of the compression or weight averaging (checkpointed per rank).
+
+        Never raises.
+        """
         state = self.comm.state_dict() if self.comm is not None else {}
         return {"kind": self.comm_kind, "state": state}
 
@@ -332,7 +364,13 @@ class Harness:
                          num_workers: int = 0) -> DataLoader:
         """A loader over this rank's share of ``data`` (see ``shard_dataloader``): shares
         go to the dp ranks; the tp and pp ranks of one dp rank read the same batches.
-        Pipeline training needs full batches: an epoch's incomplete last one is dropped."""
+        Pipeline training needs full batches: an epoch's incomplete last one is dropped.
+
+        Raises:
+            UsageError: If ``data`` is a DataLoader whose sampler shoal cannot split over
+                the ranks, or, under tp or pp, a loader whose batches shoal does not split.
+            ValueError: If ``batch_size`` is below 1.
+        """
         # Each live replica group validates on the whole set; training splits over them all.
         assert self.dims.dp is not None  # resolved in __init__
         ranks, rank = (self.dims.dp, self.dp_rank) if evaluation else (self.data_ranks,
@@ -357,18 +395,30 @@ class Harness:
 
     def to_device(self, batch: Any) -> Any:
         """``batch`` on this rank's device, whatever its structure (pairs, tuples, dicts,
-        dataclasses, nested; see ``shoal.training.batches``)."""
+        dataclasses, nested; see ``shoal.training.batches``).
+
+        Never raises.
+        """
         return move_to_device(batch, self.device)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Run the forward pass in the configured precision."""
+        """Run the forward pass in the configured precision.
+
+        Never raises.
+        """
         return self.precision.autocast()
 
     def pipeline_step(self, pipeline: PipelineModel, inputs: torch.Tensor,
                       targets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """pp > 1: forward and backward of one batch through every stage, in the configured
         precision, instead of ``model(x)`` and ``backward``. Adds the gradients of ``scale``
-        times the batch's mean loss; returns that mean loss on every rank."""
+        times the batch's mean loss; returns that mean loss on every rank.
+
+        Raises:
+            UsageError: If the batch does not cut into the configured microbatches, or
+                ``inputs`` and ``targets`` differ in length.
+            RuntimeError: If the exchange between the stages fails (a peer died).
+        """
         with self.autocast():
             loss = pipeline.step(inputs, targets, scale)
         if hasattr(self.comm, "after_backward"):  # dp traffic, as one backward
@@ -376,7 +426,12 @@ class Harness:
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward pass, with loss scaling under fp16."""
+        """Backward pass, with loss scaling under fp16.
+
+        Raises:
+            RuntimeError: If ``loss`` does not require a gradient, or the gradient all-reduce
+                fails (a peer died, or the group's timeout passed).
+        """
         self.precision.backward(loss)
         if hasattr(self.comm, "after_backward"):
             self.comm.after_backward()
@@ -386,6 +441,8 @@ class Harness:
         """Skip the gradient all-reduce for backward passes inside (accumulation micro-batches).
 
         Gradients accumulate locally; the next backward outside the block all-reduces them all.
+
+        Never raises.
         """
         if enabled and isinstance(model, DistributedDataParallel):
             with model.no_sync():
@@ -416,6 +473,11 @@ class Harness:
         rank skips the same steps (sharded gradients: the norm is over all the shards). The
         gradient norm, when computed (clipping, the finite check or ``measure_norm``), is
         kept in ``last_grad_norm`` as a tensor.
+
+        Raises:
+            RuntimeError: If a collective of the step fails (a peer died): the norm of
+                sharded or split gradients, or the exchanges of 'zero1', 'local_sgd' and
+                'diloco'.
         """
         norm = None
         if clip_grad_norm is not None or check_finite or measure_norm:

@@ -86,6 +86,19 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
                  lr_scheduler: Any = None, tp_plan: dict | None = None, **settings: Any):
+        """Validate the settings, join the process group and set up model and optimizer.
+
+        Raises:
+            UsageError: If a setting is unknown, invalid or does not fit this job (backend,
+                parallel degrees), ``loss_fn`` and ``step_fn`` are both given or do not take
+                two arguments, ``step_fn`` is given under pipeline parallelism, the model
+                does not fit the strategy (see ``Harness.setup``; a RemoteModule under zero2,
+                fsdp, tp or pp), or ``lr_scheduler`` is built on an optimizer that the
+                strategy replaces.
+            ValueError: If the launcher's environment is incomplete (see ``shoal.init``).
+            RuntimeError: If the process group cannot form, or a collective of the setup
+                fails (a peer died; DDP finds that the ranks' models differ).
+        """
         self.config = TrainerConfig.build(**settings)
         c = self.config
         check_loss_functions(loss_fn, step_fn)
@@ -163,6 +176,25 @@ class Trainer:
 
         With ``resume`` set, training continues where the checkpoint left off: same step,
         same next sample, same random state.
+
+        Raises:
+            UsageError: If the data or a setting does not fit: an epoch gives no batch, a
+                batch has no countable samples or the model returns no loss, the loader
+                cannot be split, the checkpoint to resume needs another strategy, process
+                count or batch size, or live recovery runs without shoal's launcher.
+            shoal.checkpoint.CheckpointError: If the checkpoint to resume from is incomplete
+                or does not fit the model; the message names the keys that differ.
+            NonFiniteError: If ``nonfinite='stop'`` and a step's gradients hold NaN or Inf;
+                the message names the step and the ranks whose loss was not finite.
+            RemoteTierError: If a RemoteModule's remote call fails, or on resume its tier
+                serves another module than the checkpoint's.
+            RuntimeError: If a collective fails (a peer died, or the group's timeout
+                passed); in a live job, ``shoal.ft.session.LiveError`` when the replica
+                groups do not meet in time.
+            ValueError: If the resumed position in the epoch lies past the end of the
+                training data (the dataset shrank).
+            SystemExit: After a preemption signal (SIGTERM, SIGUSR1) with ``checkpoint_dir``
+                set: the checkpoint is saved and the process exits with 128 + the signal.
         """
         c = self.config
         epochs = epochs or c.epochs
@@ -446,7 +478,15 @@ class Trainer:
         raise SystemExit(preemption_exit_code(signum))
 
     def validate(self, val_data: Dataset | DataLoader) -> dict[str, float]:
-        """Loss (and accuracy for class targets) over the whole validation set, all ranks."""
+        """Loss (and accuracy for class targets) over the whole validation set, all ranks.
+
+        Raises:
+            UsageError: If a batch has no countable samples, the model returns no loss, a
+                batch under pipeline parallelism is not an (inputs, targets) pair, or the
+                loader cannot be split.
+            RemoteTierError: If a RemoteModule's remote call fails.
+            RuntimeError: If a collective fails (a peer died, or the group's timeout passed).
+        """
         return validate(self, val_data)
 
     def _report_epoch(self, metrics: dict[str, float], progress: Progress) -> None:
