@@ -25,17 +25,7 @@ def runs(tmp_path_factory):
         yield runs
 
 
-# Issue 35 (open): on some CPUs (seen on AMD EPYC, AVX2 kernels) the redone powersgd steps
-# are not bitwise those of the run without failures; until that is fixed this case is an
-# expected failure there (strict=False: it passes where the kernels agree, as on the CI
-# machines before).
-POWERSGD_NOT_EXACT_EVERYWHERE = pytest.mark.xfail(
-    strict=False, reason="issue 35: powersgd under exact is not bitwise on every CPU")
-
-
-@pytest.mark.parametrize("compression", [
-    pytest.param(name, marks=POWERSGD_NOT_EXACT_EVERYWHERE) if name == "powersgd" else name
-    for name in sorted(COMPRESSIONS)])
+@pytest.mark.parametrize("compression", sorted(COMPRESSIONS))
 def test_replacement_redoes_its_steps_since_the_hand_over(runs, compression):
     """The survivor is never restarted; the replacement heals from it: the state of the
     hand-over at step 10 with its own group's compression state, redoes steps 11 to 13

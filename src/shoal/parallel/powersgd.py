@@ -1,14 +1,20 @@
-"""PowerSGD (torch's hook) with its state kept per parameter, so a resume is exact.
+"""PowerSGD: torch's algorithm (``powerSGD_hook``), its state kept per parameter and its
+products computed on tensors of their own, so that a resume or a heal is exact.
 
-torch's ``powerSGD_hook`` keeps its error feedback and warm-start matrices per bucket
-index. DDP cuts its buckets differently in the first step than after (it regroups them by
-the order gradients become ready), and a resumed run starts with the first-step cut again.
-This wrapper translates the state to per-parameter tensors whenever the cut changes, and
-for checkpoints, so the compression continues exactly where it stopped.
+torch's hook keeps its error feedback and warm-start matrices per bucket, and multiplies
+views of the bucket at their offsets in it. DDP cuts its buckets differently in a process's
+first step than after (it regroups them by the order gradients become ready), so a process
+that resumes or heals redoes a step with another cut: other offsets. The CPU's BLAS (MKL)
+rounds a product of the same values differently at another alignment (seen with rank 1,
+where the product is a matrix-vector one), and the run would drift from the one it
+continues. Here every product is taken on a tensor allocated for it (aligned alike whatever
+the cut), and the state is kept by parameter name; the steps, the collectives (three
+all-reduces per bucket) and the random start of the Q matrices are torch's.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import cast
 
 import numpy as np
@@ -17,25 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     PowerSGDState,
+    _orthogonalize,
     _should_compress,
-    powerSGD_hook,
 )
 
 from shoal.parallel.traffic import Traffic, all_reduce_bytes
-
-Layout = tuple[tuple[str, torch.Size], ...]
-
-
-def _compressed(layout: Layout, rank: int, min_rate: float) -> list[tuple[str, int, int, int]]:
-    """(name, n, m, r) of the tensors PowerSGD compresses, in the order of its P/Q memory."""
-    groups: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
-    for name, shape in layout:
-        n = shape[0]
-        m = shape.numel() // n
-        r = min(n, m, rank)
-        if _should_compress(n, m, r, min_rate)[0]:
-            groups.setdefault((n, m), []).append((name, n, m, r))
-    return [entry for group in groups.values() for entry in group]
 
 
 class PowerSGDHook:
@@ -43,22 +35,23 @@ class PowerSGDHook:
 
     def __init__(self, model: nn.Module, rank: int, warmup_steps: int, traffic: Traffic,
                  seed: int = 0, group: dist.ProcessGroup | None = None):
+        # torch's settings and counters: the rank, the warm-up, the step, the random state.
         self.state = PowerSGDState(process_group=group, matrix_approximation_rank=rank,
                                    start_powerSGD_iter=warmup_steps, use_error_feedback=True,
                                    warm_start=True, random_seed=seed)
+        self.group = group
         self.traffic = traffic
         self.world = dist.get_world_size(group)
         self.names: dict[torch.Tensor, str] = {p: name for name, p in model.named_parameters()}
-        self.layouts: dict[int, Layout] = {}  # the cut torch's per-bucket state follows
-        self.errors: dict[str, torch.Tensor] = {}  # per-parameter state between cuts
-        self.qs: dict[str, torch.Tensor] = {}
+        self.errors: dict[str, torch.Tensor] = {}  # what was not sent, by parameter
+        self.qs: dict[str, torch.Tensor] = {}  # the warm-start Q of each compressed one
         self._held: list[tuple[dist.GradBucket, torch.futures.Future]] = []
 
     @staticmethod
     def hook(self, bucket):  # no annotations: DDP checks them literally
-        # torch's hook chains collectives in callbacks on gloo's threads; with several
-        # buckets in flight their order differs between ranks (a collective mismatch on
-        # gloo). Buckets are held back and compressed one after the other at the last one.
+        # Buckets are held back and compressed one after the other at the last one (with
+        # several in flight, collectives chained on gloo's threads differ in order between
+        # ranks).
         future = torch.futures.Future()
         self._held.append((bucket, future))
         if bucket.is_last():
@@ -66,77 +59,97 @@ class PowerSGDHook:
             self.traffic.launched()
             for bucket, future in held:
                 try:
-                    future.set_result(self._compress(bucket).wait())
+                    future.set_result(self._compress(bucket))
                 except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
                     future.set_exception(exc)
             self.traffic.done()
         return future
 
-    def _compress(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(flat, group=self.group)
+        self.traffic.sent(all_reduce_bytes(flat.numel() * flat.element_size(), self.world))
+        return flat
+
+    def _compress(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """One bucket's step of torch's ``powerSGD_hook``; returns the bucket's buffer."""
         s = self.state
         buffer = bucket.buffer()
-        compressing = s.iter >= s.start_powerSGD_iter
-        if compressing:
-            layout = tuple((self.names[p], p.shape) for p in bucket.parameters())
-            index = bucket.index()
-            if self.layouts.get(index, layout) != layout:  # DDP regrouped its buckets
-                self._to_parameters()
-            if index not in self.layouts:
-                self._to_bucket(index, layout, buffer)
-                self.layouts[index] = layout
-        before = s.total_numel_after_compression
-        future = powerSGD_hook(s, bucket)
-        numel = s.total_numel_after_compression - before if compressing else buffer.numel()
-        self.traffic.sent(all_reduce_bytes(numel * buffer.element_size(), self.world))
-        return future
+        if s.iter < s.start_powerSGD_iter:  # the warm-up: a plain mean
+            s.maybe_increase_iter(bucket)
+            return self._all_reduce(buffer).div_(self.world)
+        names = [self.names[p] for p in bucket.parameters()]
+        grads = bucket.gradients()
+        # The gradient with what earlier steps did not send, in a tensor of its own.
+        inputs = [g.detach().clone() for g in grads]
+        for name, x in zip(names, inputs, strict=True):
+            if name in self.errors:
+                x.add_(self.errors[name])
+        compressed: list[tuple[int, int, int, int]] = []  # (index, n, m, rank) of each
+        plain: list[tuple[int, int, int, int]] = []
+        for i, x in enumerate(inputs):
+            n = x.shape[0]
+            m = x.numel() // n
+            r = min(n, m, s.matrix_approximation_rank)
+            (compressed if _should_compress(n, m, r, s.min_compression_rate)[0]
+             else plain).append((i, n, m, r))
+        if plain:
+            mean = self._all_reduce(torch.cat([inputs[i].reshape(-1) for i, *_ in plain]))
+            mean.div_(self.world)
+            for part, (i, *_) in zip(mean.split([inputs[i].numel() for i, *_ in plain]),
+                                     plain, strict=True):
+                grads[i].copy_(part.view_as(grads[i]))
+        if compressed:
+            self._low_rank(names, grads, inputs, compressed)
+        for name, g, x in zip(names, grads, inputs, strict=True):
+            self.errors[name] = x - g
+        s.maybe_increase_iter(bucket)
+        return buffer
 
-    # -- between the per-bucket state of torch's hook and per-parameter tensors ------------
-
-    def _split(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def _low_rank(self, names: list[str], grads: list[torch.Tensor],
+                  inputs: list[torch.Tensor], compressed: list[tuple[int, int, int, int]]
+                  ) -> None:
+        """M ~ P Q^T for each compressed gradient M (one power iteration, warm-started),
+        written into its gradient."""
         s = self.state
-        errors, qs = dict(self.errors), dict(self.qs)
-        for index, layout in self.layouts.items():
-            if index in s.error_dict:
-                sizes = [shape.numel() for _, shape in layout]
-                for (name, _), part in zip(layout, s.error_dict[index].split(sizes),
-                                           strict=True):
-                    errors[name] = part.clone()
-            if index in s.q_memory_dict:
-                entries = _compressed(layout, s.matrix_approximation_rank,
-                                      s.min_compression_rate)
-                parts = s.q_memory_dict[index].split([m * r for _, _, m, r in entries])
-                for (name, *_), part in zip(entries, parts, strict=True):
-                    qs[name] = part.clone()
-        return errors, qs
-
-    def _to_parameters(self) -> None:
-        self.errors, self.qs = self._split()
-        s = self.state
-        s.error_dict.clear()
-        s.p_memory_dict.clear()
-        s.q_memory_dict.clear()
-        self.layouts.clear()
-
-    def _to_bucket(self, index: int, layout: Layout, buffer: torch.Tensor) -> None:
-        s = self.state
-        names = [name for name, _ in layout]
-        if names and all(name in self.errors for name in names):
-            s.error_dict[index] = torch.cat([self.errors[n].reshape(-1) for n in names]).to(
-                buffer)
-        entries = _compressed(layout, s.matrix_approximation_rank, s.min_compression_rate)
-        if entries and all(name in self.qs for name, *_ in entries):
-            s.q_memory_dict[index] = torch.cat([self.qs[name] for name, *_ in entries]).to(
-                buffer)
-            s.p_memory_dict[index] = buffer.new_empty(sum(n * r for _, n, _, r in entries))
+        # torch's order: grouped by shape, each shape in the order it first appears.
+        by_shape: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
+        for entry in compressed:
+            by_shape[entry[1:3]].append(entry)
+        order = [entry for entries in by_shape.values() for entry in entries]
+        ms = [inputs[i].view(1, n, m) for i, n, m, _ in order]
+        if all(names[i] in self.qs for i, *_ in order):  # warm: the last step's Qs
+            qs = [self.qs[names[i]].view(1, m, r).clone() for i, _, m, r in order]
+        else:  # a bucket new to the compression: random Qs, as torch draws them
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(s.rng.randint(1_000_000_000))
+                qs = [torch.randn(1, m, r, dtype=inputs[i].dtype).to(inputs[i].device)
+                      for i, _, m, r in order]
+        for q in qs:
+            _orthogonalize(q, s.orthogonalization_epsilon)
+        summed = self._all_reduce(torch.cat([torch.bmm(mat, q).reshape(-1)
+                                             for mat, q in zip(ms, qs, strict=True)]))
+        ps = [part.view(1, n, r).clone() for part, (_, n, _, r)
+              in zip(summed.split([n * r for _, n, _, r in order]), order, strict=True)]
+        for p in ps:
+            _orthogonalize(p, s.orthogonalization_epsilon)
+        summed = self._all_reduce(torch.cat([torch.bmm(mat.transpose(1, 2), p).reshape(-1)
+                                             for mat, p in zip(ms, ps, strict=True)]))
+        summed.div_(self.world)
+        for part, p, (i, _, m, r) in zip(summed.split([m * r for _, _, m, r in order]), ps,
+                                         order, strict=True):
+            q = part.view(1, m, r).clone()
+            self.qs[names[i]] = q.view(-1)
+            grads[i].copy_(torch.bmm(p, q.transpose(1, 2)).view_as(grads[i]))
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        errors, qs = self._split()
         # legacy form: a tuple (the dict form is only for bit generators other than MT19937)
         kind, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]",
                                                   self.state.rng.get_state())
-        return {"iter": self.state.iter, "errors": errors, "qs": qs,
+        return {"iter": self.state.iter,
+                "errors": {k: v.clone() for k, v in self.errors.items()},
+                "qs": {k: v.clone() for k, v in self.qs.items()},
                 "rng": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
                         "pos": int(pos), "has_gauss": int(has_gauss),
                         "cached_gaussian": float(cached)}}
@@ -147,9 +160,5 @@ class PowerSGDHook:
         rng = state["rng"]
         s.rng.set_state((rng["kind"], rng["keys"].numpy().astype(np.uint32), rng["pos"],
                          rng["has_gauss"], rng["cached_gaussian"]))
-        s.error_dict.clear()
-        s.p_memory_dict.clear()
-        s.q_memory_dict.clear()
-        self.layouts.clear()
         self.errors = {k: v.clone() for k, v in state["errors"].items()}
         self.qs = {k: v.clone() for k, v in state["qs"].items()}
