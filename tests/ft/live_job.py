@@ -117,7 +117,10 @@ if args.step_sleep is not None:
     import time
 
     def step_sleep(*_):
-        (out / f"step.g{group}").write_text(str(trainer.global_step))
+        marker = out / f"step.g{group}"  # whole or absent to a reader: written, then renamed
+        partial = out / f"step.g{group}.{os.getpid()}.partial"
+        partial.write_text(str(trainer.global_step))
+        partial.replace(marker)
         time.sleep(args.step_sleep)
     trainer.optimizer.register_step_post_hook(step_sleep)
 if args.no_commit:

@@ -36,7 +36,7 @@ def _wait_for_step(out, step: int, hosts, nodes, timeout: float = 200.0) -> None
     """Until host 0's group has done ``step`` steps."""
     deadline = time.monotonic() + timeout
     marker = out / "step.g0"
-    while not (marker.exists() and marker.read_text() and int(marker.read_text()) >= step):
+    while not (marker.exists() and int(marker.read_text()) >= step):
         if time.monotonic() > deadline or any(n.poll() is not None for n in nodes):
             hosts.close()
             outputs = "\n".join(n.communicate()[0][-3000:] for n in nodes)
