@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
-import json
 import os
-import selectors
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 
 import psutil
 import torch
+
+from tests import zygote
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,92 +24,30 @@ def run_shoal(*args: str, cwd: str | None = None, timeout: float = 120,
     has imported torch, which saves about 1.3 s of CPU a start) where there is one (Linux,
     and SHOAL_TEST_FORK is not 0), else as a new interpreter."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if fork and sys.platform == "linux" and os.environ.get("SHOAL_TEST_FORK") != "0":
-        return _zygote().run(list(args), cwd or REPO, full_env, timeout)
-    return subprocess.run([sys.executable, "-m", "shoal", *args], cwd=cwd or REPO,
-                          capture_output=True, text=True, timeout=timeout, env=full_env)
+    command = [sys.executable, "-m", "shoal", *args]
+    if not (fork and zygote.available()):
+        return subprocess.run(command, cwd=cwd or REPO, capture_output=True, text=True,
+                              timeout=timeout, env=full_env)
+    process = zygote.start(list(args), cwd or REPO, full_env, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-class _Zygote:
-    """The client of tests.zygote: started once per test process, on first use."""
-
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="shoal-zygote-")
-        self.path = os.path.join(self.dir, "socket")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.zygote", self.path], cwd=REPO,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert self.process.stdout is not None
-        ready = self.process.stdout.readline()
-        assert ready == b"ready\n", f"the test zygote did not start: {ready!r}"
-        atexit.register(self.close)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def run(self, argv: list[str], cwd: str, env: dict, timeout: float
-            ) -> subprocess.CompletedProcess:
-        """As ``subprocess.run(capture_output=True, text=True, timeout=timeout)``."""
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.connect(self.path)
-            request = json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode()
-            socket.send_fds(conn, [request], [null, out_w, err_w])
-        finally:
-            for fd in (null, out_w, err_w):
-                os.close(fd)
-        replies, chunks = b"", {out_r: [], err_r: []}
-        deadline = time.monotonic() + timeout
-        pid = None
-        with selectors.DefaultSelector() as selector:
-            selector.register(out_r, selectors.EVENT_READ)
-            selector.register(err_r, selectors.EVENT_READ)
-            selector.register(conn, selectors.EVENT_READ)
-            while len(selector.get_map()) > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                for key, _ in selector.select(left):
-                    data = (conn.recv(4096) if key.fileobj is conn
-                            else os.read(key.fd, 1 << 16))
-                    if not data:
-                        selector.unregister(key.fileobj)
-                    elif key.fileobj is conn:
-                        replies += data
-                    else:
-                        chunks[key.fd].append(data)
-                    if pid is None and b"\n" in replies:
-                        pid = int(replies.split(b"\n")[0])
-        lines = replies.split(b"\n")
-        os.close(out_r)
-        os.close(err_r)
-        conn.close()
-        stdout, stderr = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
-        command = ["python", "-m", "shoal", *argv]
-        if len(lines) < 3:  # no exit status: the deadline passed
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(command, int(lines[1]), stdout, stderr)
-
-
-_zygotes: dict[int, _Zygote] = {}
-_zygote_lock = threading.Lock()
-
-
-def _zygote() -> _Zygote:
-    with _zygote_lock:  # tests start commands from threads too
-        if os.getpid() not in _zygotes:
-            _zygotes[os.getpid()] = _Zygote()
-        return _zygotes[os.getpid()]
+def popen_shoal(*args: str, cwd: str | None = None, env: dict | None = None,
+                text: bool = False, stderr_to_stdout: bool = False
+                ) -> subprocess.Popen | zygote.Forked:
+    """Start ``python -m shoal ARGS`` with its stdout and stderr in pipes (or both in one);
+    forked by the tests' zygote where there is one (run_shoal), else a new interpreter."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if zygote.available():
+        return zygote.start(list(args), cwd or REPO, full_env, stderr_to_stdout, text)
+    return subprocess.Popen([sys.executable, "-m", "shoal", *args], cwd=cwd or REPO,
+                            env=full_env, text=text, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE)
 
 
 def run_shoal_in_process(*args: str) -> subprocess.CompletedProcess:

@@ -15,18 +15,30 @@ handlers, ``sys.argv``, ``__main__`` run by runpy, exit handlers run at the end.
 cannot be: settings that torch reads once when it is imported keep the server's values, and
 ``ps`` shows the server's command line. Tests that depend on either start the command
 themselves (tests.helpers.run_shoal(..., fork=False)).
+
+The client side: ``start(argv, cwd, env)`` gives a ``Forked`` command, used as a
+``subprocess.Popen`` of ``python -m shoal ARGV``; the server is started once per test
+process, on first use.
 """
 
 from __future__ import annotations
 
 import array
+import atexit
 import io
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
 
 # What `python -m shoal` imports of torch before anything of shoal's own (whose modules are
 # imported fresh in each child, with the child's environment).
@@ -156,6 +168,142 @@ def serve(path: str) -> None:
                     except OSError:
                         pass
                     conn.close()
+
+
+class Forked:
+    """A command forked by the server, used as a ``subprocess.Popen`` of it: ``pid``,
+    ``stdout`` (and ``stderr``, unless it goes to stdout) as unbuffered pipes, ``poll``,
+    ``wait``, ``communicate``, ``send_signal``, ``terminate``, ``kill``, ``returncode``."""
+
+    def __init__(self, server: str, argv: list[str], cwd: str, env: dict,
+                 stderr_to_stdout: bool = False, text: bool = False):
+        self.args = [sys.executable, "-m", "shoal", *argv]
+        self.text, self.returncode = text, None
+        out_r, out_w = os.pipe()
+        err_r, err_w = (None, out_w) if stderr_to_stdout else os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(server)
+            request = json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode()
+            socket.send_fds(self._conn, [request], [null, out_w, err_w])
+        finally:
+            for fd in {null, out_w, err_w}:
+                os.close(fd)
+        def pipe(fd: int) -> Any:
+            return (open(fd, encoding="utf-8", errors="replace") if text
+                    else open(fd, "rb", buffering=0))
+        self.stdout = pipe(out_r)
+        self.stderr = None if err_r is None else pipe(err_r)
+        self._replies = b""
+        self.pid = int(self._reply(None))
+        self._read: dict[Any, Any] = {}  # a pipe: all that was left in it
+        self._readers: dict[Any, threading.Thread] = {}
+
+    def _reply(self, timeout: float | None) -> bytes | None:
+        """The server's next line (the pid, then the exit status); None if it has not come
+        within ``timeout`` seconds."""
+        self._conn.settimeout(timeout)
+        try:
+            while b"\n" not in self._replies:
+                data = self._conn.recv(64)
+                if not data:
+                    raise RuntimeError("the test zygote ended without an exit status")
+                self._replies += data
+        except (TimeoutError, BlockingIOError):
+            return None
+        line, self._replies = self._replies.split(b"\n", 1)
+        return line
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            status = self._reply(0)
+            if status is not None:
+                self.returncode = int(status)
+                self._conn.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            status = self._reply(timeout)
+            if status is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(status)
+            self._conn.close()
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple:
+        """Everything left in the pipes, up to their end, then the exit status, as
+        ``subprocess.Popen.communicate``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pipes = [p for p in (self.stdout, self.stderr) if p is not None]
+        for pipe in pipes:
+            if pipe not in self._readers and not pipe.closed:
+                reader = threading.Thread(target=lambda p=pipe: self._read.__setitem__(
+                    p, p.read()), daemon=True)
+                reader.start()
+                self._readers[pipe] = reader
+        for reader in self._readers.values():
+            reader.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.01))
+        for pipe in pipes:
+            pipe.close()
+        empty = "" if self.text else b""
+        return tuple(None if p is None else self._read.get(p, empty)
+                     for p in (self.stdout, self.stderr))
+
+
+class _Server:
+    """This test process's server: started on first use, killed at its exit."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="shoal-zygote-")
+        self.path = os.path.join(self.dir, "socket")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote", self.path],
+            cwd=Path(__file__).parent.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert self.process.stdout is not None
+        ready = self.process.stdout.readline()
+        assert ready == b"ready\n", f"the test zygote did not start: {ready!r}"
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_servers: dict[int, _Server] = {}
+_lock = threading.Lock()
+
+
+def start(argv: list[str], cwd: str, env: dict, stderr_to_stdout: bool = False,
+          text: bool = False) -> Forked:
+    """``python -m shoal ARGV`` forked by this test process's server."""
+    with _lock:  # tests start commands from threads too
+        if os.getpid() not in _servers:
+            _servers[os.getpid()] = _Server()
+        server = _servers[os.getpid()].path
+    return Forked(server, argv, cwd, env, stderr_to_stdout, text)
+
+
+def available() -> bool:
+    """Whether commands are forked (Linux, unless SHOAL_TEST_FORK=0)."""
+    return sys.platform == "linux" and os.environ.get("SHOAL_TEST_FORK") != "0"
 
 
 if __name__ == "__main__":

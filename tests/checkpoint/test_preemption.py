@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 from tests.checkpoint.test_resume import JOB, RUN_S, _final
-from tests.helpers import REPO, processes_with, run_shoal, states_equal
+from tests.helpers import popen_shoal, processes_with, run_shoal, states_equal
 
 # Hang guards, several times the idle time: the job is three steps in ~10 s after its start
 # (~25 s seen on a loaded machine); the signalled job saves and exits within a few seconds.
@@ -26,10 +24,8 @@ READY_S, STOP_S = 150, 90
 def test_signal_saves_exits_and_resumes_exactly(tmp_path, sig):
     run = tmp_path / "run"
     run.mkdir()
-    cmd = [sys.executable, "-m", "shoal", "run", "--nproc-per-node", "2", JOB, str(run),
-           "--steps", "500", "--every", "1000", "--step-sleep", "0.05"]
-    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    launcher = popen_shoal("run", "--nproc-per-node", "2", JOB, str(run), "--steps", "500",
+                           "--every", "1000", "--step-sleep", "0.05", text=True)
     deadline = time.time() + READY_S
     while not (run / "ready").exists() and time.time() < deadline:
         time.sleep(0.1)

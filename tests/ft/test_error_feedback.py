@@ -37,7 +37,7 @@ def test_replacement_redoes_its_steps_since_the_hand_over(runs, compression):
     runs.start(f"killed-{compression}", "--replica-groups", "2", "--max-restarts", "1",
                job=f"{job} --kill 1:13")
     live, output = runs.wait(f"killed-{compression}")
-    assert pids(live) == REPLACED_ONCE
+    assert pids(live) == REPLACED_ONCE, output[-6000:]
     assert "replica group 1: healed from a live group at step 10" in output
     assert "replica group 1: redoes steps 11 to 13 alone while the other groups wait" in output
     reference, _ = runs.wait(f"whole-{compression}")

@@ -48,7 +48,7 @@ def test_exact_replacement_redoes_its_round_and_run_equals_restart_mode(runs, st
     runs.start(f"exact-{strategy}", "--replica-groups", "2", "--max-restarts", "1",
                job=f"--strategy {strategy} --period {PERIOD} --kill {KILL}")
     live, output = runs.wait(f"exact-{strategy}")
-    assert pids(live) == REPLACED_ONCE
+    assert pids(live) == REPLACED_ONCE, output[-6000:]
     assert "replica group 1: healed from a live group at step 8" in output
     assert "replica group 0: the meeting at step 12 did not commit" in output
     reference, _ = runs.wait(f"restart-{strategy}")
@@ -76,7 +76,7 @@ def test_available_meets_without_the_killed_group(runs, tmp_path):
                job=f"--strategy diloco --period {PERIOD} --kill {KILL} --pace 10:0.3 "
                    f"--metrics {metrics}")
     live, output = runs.wait("available")
-    assert pids(live) == REPLACED_ONCE
+    assert pids(live) == REPLACED_ONCE, output[-6000:]
     assert "replica group 0: the meeting at step 12: 1 of 2 replica groups bring their " \
         "steps; the others' samples are skipped (policy available)" in output
     assert "all 2 replica groups bring their steps again" in output

@@ -6,10 +6,8 @@ server that is gone."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +18,8 @@ import torch
 from shoal.errors import UsageError
 from shoal.launch.ports import free_port
 from shoal.remote import GrpcRemoteTier, RemoteModule, RemoteTierError, wire
-from tests.helpers import REPO, run_shoal, states_equal
+from tests import zygote
+from tests.helpers import popen_shoal, run_shoal, states_equal
 from tests.remote.blocks import Block
 from tests.remote.conftest import wait_for
 from tests.remote.runs import final_state, write_config
@@ -33,11 +32,9 @@ def _steps(run_dir: Path) -> int:
     return path.read_text().count('"type": "step"') if path.exists() else 0
 
 
-def _train(config: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "shoal", "train", "--config", str(config),
-                             "--nproc-per-node", "2", *flags], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _train(config: Path, *flags: str) -> subprocess.Popen | zygote.Forked:
+    return popen_shoal("train", "--config", str(config), "--nproc-per-node", "2", *flags,
+                       text=True)
 
 
 def test_server_killed_mid_step_is_one_error_naming_endpoint_and_step(serve, tmp_path):
