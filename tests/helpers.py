@@ -46,7 +46,8 @@ def popen_shoal(*args: str, cwd: str | None = None, env: dict | None = None,
     if zygote.available():
         return zygote.start(list(args), cwd or REPO, full_env, stderr_to_stdout, text)
     return subprocess.Popen([sys.executable, "-m", "shoal", *args], cwd=cwd or REPO,
-                            env=full_env, text=text, stdout=subprocess.PIPE,
+                            env=full_env, text=text, bufsize=-1 if text else 0,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE)
 
 

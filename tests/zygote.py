@@ -215,21 +215,24 @@ class Forked:
         line, self._replies = self._replies.split(b"\n", 1)
         return line
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            status = self._reply(0)
-            if status is not None:
-                self.returncode = int(status)
-                self._conn.close()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
+    def _settle(self, timeout: float | None) -> bool:
+        """Whether the exit status is known, waiting up to ``timeout`` seconds for it."""
         if self.returncode is None:
             status = self._reply(timeout)
             if status is None:
-                raise subprocess.TimeoutExpired(self.args, timeout)
+                return False
             self.returncode = int(status)
             self._conn.close()
+        return True
+
+    def poll(self) -> int | None:
+        self._settle(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._settle(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        assert self.returncode is not None
         return self.returncode
 
     def send_signal(self, signum: int) -> None:

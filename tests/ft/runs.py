@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from tests import zygote
-from tests.helpers import states_equal
+from tests.helpers import popen_shoal, states_equal
 
 JOB = str(Path(__file__).with_name("live_job.py"))
 TIMEOUT = 240
@@ -64,11 +64,10 @@ def start_piped(cmd: list[str]) -> subprocess.Popen | zygote.Forked:
     """``cmd`` with its output (stderr too) in an unbuffered pipe: ``stdout.readline()``
     reads no further than the line, so that ``communicate`` then reads all the rest.
     A `python -m shoal` command is forked by the tests' zygote where there is one."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if cmd[1:3] == ["-m", "shoal"] and zygote.available():
-        return zygote.start(cmd[3:], os.getcwd(), env, stderr_to_stdout=True)
+    if cmd[1:3] == ["-m", "shoal"]:
+        return popen_shoal(*cmd[3:], cwd=os.getcwd(), stderr_to_stdout=True)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
-                            env=env)
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def final(out: Path, group: int = 0, rank: int = 0) -> dict:
