@@ -23,7 +23,7 @@ from shoal.launch.hangwatch import HangWatch
 from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
 from shoal.launch.output import OutputRelay
-from shoal.launch.ports import check_port_free
+from shoal.launch.ports import check_port_free, free_port
 from shoal.launch.restarts import RestartLog
 from shoal.launch.summary import report_failure
 from shoal.launch.worker_start import WorkerStart, worker_start
@@ -32,6 +32,7 @@ from shoal.runtime.compat import (
     has_shutdown_grace,
     launch_config_fields,
     rendezvous_join_delay,
+    worker_store_port,
 )
 
 SHUTDOWN_TIMEOUT_S = 60
@@ -90,10 +91,13 @@ def fresh_store_per_attempt(needed: bool) -> None:
     With c10d rendezvous the workers otherwise share the agent's store across rounds, and
     a restarted group reads the previous attempt's gloo addresses: it connects to dead
     workers and hangs in init_process_group. A new store has a race of its own: the agent
-    picks a free port that worker 0 binds later, and another program may take it in
-    between (EADDRINUSE). So it is used only where a second round can happen.
+    picks a free port that worker 0 binds seconds later, and another program may take it
+    in between (EADDRINUSE). So it is used only where a second round can happen, on a port
+    drawn where other programs' ports do not come from (``shoal.launch.ports.free_port``).
     """
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1" if needed else "0"
+    if needed:
+        worker_store_port(free_port)
 
 
 def second_round_possible(spec: LaunchSpec) -> bool:

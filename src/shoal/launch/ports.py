@@ -3,13 +3,61 @@
 from __future__ import annotations
 
 import errno
+import random
 import socket
 
 from shoal.errors import UsageError
 
+# free_port draws from here up to the ephemeral range (Linux: 32768 on): above the ports that
+# services are usually configured on (5000, 6006, 8080, ...).
+_LOWEST = 15000
+_TRIES = 64
+
+
+def ephemeral_ports() -> range:
+    """The ports the OS hands out by itself: to ``bind(port 0)`` and to every outgoing
+    connection (``/proc/sys/net/ipv4/ip_local_port_range`` on Linux; IANA's 49152..65535
+    elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
+def _bindable(port: int) -> bool:
+    """Nothing holds ``port`` on any address, IPv4 or IPv6, right now."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # both families
+        address: tuple = ("::", port)
+    except OSError:  # no IPv6 here
+        sock, address = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("", port)
+    with sock:
+        try:
+            sock.bind(address)
+        except OSError:
+            return False
+    return True
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free right now on ``host``."""
+    """A port that is free now and that another process will hardly take before the one it
+    is meant for binds it (a store a worker opens seconds later, a daemon still importing).
+
+    A port the OS hands out (port 0) comes from the ephemeral range, from which every
+    outgoing connection and every other ``bind(0)`` on the machine draws too: on a busy
+    machine one of them can take it in that gap (EADDRINUSE where the store starts). This
+    draws at random below that range, where only a program that names the port binds it;
+    where the range leaves no room below it, the OS picks (``host``'s port 0)."""
+    ephemeral = ephemeral_ports()
+    if ephemeral.start > _LOWEST + 1000:
+        draw = random.SystemRandom()
+        for _ in range(_TRIES):
+            port = draw.randrange(_LOWEST, ephemeral.start)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 
 @functools.cache
@@ -100,4 +101,18 @@ def rendezvous_join_delay(wanted: bool) -> bool:
 
     _delay._shoal_original = original  # type: ignore[attr-defined]
     dynamic_rendezvous._delay = _delay
+    return True
+
+
+def worker_store_port(pick: Callable[[], int]) -> bool:
+    """Where each attempt's workers get a store of their own (c10d rendezvous with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), the port that worker 0 is told to open comes
+    from ``pick`` instead of torch's ``get_free_port`` (the OS's port 0: a port from the
+    range every other program draws from too, while worker 0 binds it seconds later).
+    Returns whether torch's helper was found."""
+    from torch.distributed.elastic.rendezvous import api
+
+    if not callable(getattr(api, "get_free_port", None)):
+        return False
+    api.get_free_port = pick
     return True

@@ -1,0 +1,50 @@
+"""Ports a launcher picks for a server that another process opens later."""
+
+import socket
+
+import pytest
+from torch.distributed import HashStore
+from torch.distributed.elastic.rendezvous import api
+
+from shoal.launch import launcher, ports
+
+
+def test_a_free_port_is_drawn_below_the_ports_the_os_hands_out():
+    ephemeral = ports.ephemeral_ports()
+    if ephemeral.start <= 16000:
+        pytest.skip(f"this machine's ephemeral range {ephemeral} leaves no room below it")
+    picked = {ports.free_port() for _ in range(20)}
+    assert all(15000 <= p < ephemeral.start for p in picked), picked
+    assert len(picked) > 1, "drawn at random, not the same port each time"
+    for port in picked:  # free on every address, as a store listening on all of them needs
+        with socket.socket() as sock:
+            sock.bind(("", port))
+
+
+def test_a_taken_port_is_never_drawn(monkeypatch):
+    with socket.socket() as holder, socket.socket() as other:
+        holder.bind(("", 0))
+        holder.listen()
+        other.bind(("", 0))
+        taken, free = holder.getsockname()[1], other.getsockname()[1]
+        other.close()
+        draws = iter([taken, taken, free])
+        monkeypatch.setattr(ports.random.SystemRandom, "randrange", lambda *_: next(draws))
+        monkeypatch.setattr(ports, "ephemeral_ports", lambda: range(60000, 61000))
+        assert ports.free_port() == free
+
+
+def test_without_room_below_the_range_the_os_picks(monkeypatch):
+    monkeypatch.setattr(ports, "ephemeral_ports", lambda: range(1024, 65536))
+    port = ports.free_port()
+    assert 1024 <= port < 65536
+
+
+def test_a_restartable_jobs_worker_store_port_comes_from_free_port(monkeypatch):
+    """torch's own rendezvous info, built as the agent builds it for each attempt."""
+    monkeypatch.setattr(api, "get_free_port", api.get_free_port)  # restored afterwards
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    monkeypatch.setattr(launcher, "free_port", lambda: 17171)
+    launcher.fresh_store_per_attempt(True)
+    info = api.RendezvousStoreInfo.build(0, HashStore(), local_addr="127.0.0.1")
+    assert info.master_port == 17171
