@@ -68,12 +68,15 @@ def test_a_restarted_trainer_writes_the_failure_to_its_events(tmp_path):
     assert all(e["pid"] > 0 for e in failures)
 
 
-def _server_with_workers(launcher: psutil.Process) -> psutil.Process | None:
-    """The launcher's workers' server, once the workers of a restart are forked from it."""
+def _server_with_workers(launcher: psutil.Process, workers: int) -> psutil.Process | None:
+    """The launcher's workers' server, once all ``workers`` of a restart are forked from it
+    and run (killed while it still forks one, the server breaks that start off: another
+    path, with a message of its own)."""
     for child in launcher.children():
         try:
-            if " ".join(child.cmdline()).startswith("shoal forkserver") and any(
-                    "shoal.launch.worker" in " ".join(c.cmdline()) for c in child.children()):
+            if " ".join(child.cmdline()).startswith("shoal forkserver") and sum(
+                    "shoal.launch.worker" in " ".join(c.cmdline())
+                    for c in child.children()) >= workers:
                 return child
         except psutil.NoSuchProcess:
             continue
@@ -102,7 +105,7 @@ def test_a_killed_workers_server_is_replaced_and_the_run_goes_on_bitwise(tmp_pat
         server = None
         while server is None and launcher.poll() is None and time.time() < deadline:
             time.sleep(0.1)
-            server = _server_with_workers(psutil.Process(launcher.pid))
+            server = _server_with_workers(psutil.Process(launcher.pid), 2)
         assert server is not None, "no worker was forked"
         # It says what it is: a worker's name does not find it.
         assert server.pid not in {p.pid for p in processes_with("shoal.launch.worker")}
