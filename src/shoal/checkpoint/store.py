@@ -25,12 +25,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from shoal.checkpoint import tree
+from shoal.checkpoint import layout, tree
 from shoal.runtime.compat import stager_reusable
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-COMMIT = "COMMIT.json"
-META = "shoal.json"
+_STEP_DIR, COMMIT, META = layout.STEP_DIR, layout.COMMIT, layout.META
 
 
 class CheckpointError(RuntimeError):
@@ -181,26 +179,7 @@ class CheckpointStore:
     @staticmethod
     def problem(path: Path) -> str | None:
         """What makes ``path`` unusable, or None when it is complete."""
-        if not path.is_dir():
-            return "no such directory"
-        marker = path / COMMIT
-        if not marker.is_file():
-            if any(_STEP_DIR.match(p.name) for p in path.iterdir()):
-                return ("it is a directory of checkpoints, not one: name one of its step_N "
-                        "folders, or set checkpoint_dir to it with resume: auto")
-            return f"no commit marker ({COMMIT}): the save did not finish"
-        try:
-            files = json.loads(marker.read_text())["files"]
-        except (ValueError, KeyError) as exc:
-            return f"unreadable commit marker: {exc}"
-        for name, size in files.items():
-            file = path / name
-            if not file.is_file():
-                return f"file {name} is missing"
-            actual = file.stat().st_size
-            if actual != size:
-                return f"file {name} has {actual} bytes, {size} were written (truncated?)"
-        return None
+        return layout.problem(path)
 
     def latest(self, report: bool = True) -> Path | None:
         """The newest complete checkpoint; skipped broken ones are named on rank 0."""

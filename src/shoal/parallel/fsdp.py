@@ -13,18 +13,21 @@ root unit holds what no block does (embeddings, final norm, head).
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from shoal.errors import UsageError
 from shoal.parallel.blocks import find_blocks
 from shoal.parallel.traffic import Traffic, all_gather_bytes
+
+# FSDP and DTensor are imported where they are used: a run's configuration reads FSDPConfig
+# in the launcher, which has no use for them (about 0.5 s of imports).
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class FSDPConfig(BaseModel):
@@ -51,6 +54,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = N
     an optimizer must hold the new ones (see ``follow_parameters``). Returns the model, now
     also an FSDPModule.
     """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
     config = config or FSDPConfig()
     if mesh.size() > 1:
         broadcast_from_first(model, mesh.get_group())
@@ -71,6 +76,8 @@ def broadcast_from_first(model: nn.Module, group: dist.ProcessGroup | None = Non
     """Give every rank of ``group`` (default: all) the parameters and buffers of its first
     rank. A tensor already split by tensor parallelism (a DTensor) is the same piece on
     every rank of a dp group (one tp coordinate): that piece is what is sent."""
+    from torch.distributed.tensor import DTensor
+
     first = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
         for tensor in itertools.chain(model.parameters(), model.buffers()):
@@ -107,6 +114,8 @@ def follow_parameters(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def local_numel(model: nn.Module) -> int:
     """Parameter elements on this rank: of a tensor-parallel piece, the piece."""
+    from torch.distributed.tensor import DTensor
+
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                for p in model.parameters())
 

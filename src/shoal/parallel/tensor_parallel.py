@@ -15,19 +15,18 @@ tensor whose gradient is the same on every rank.
 from __future__ import annotations
 
 from fnmatch import fnmatch
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
 
 from shoal.errors import UsageError
+
+# DTensor is imported where it is used: a run's configuration reads TensorParallelConfig in
+# the launcher, which has no use for it (about 0.5 s of imports).
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 class TensorParallelConfig(BaseModel):
@@ -47,6 +46,9 @@ def transformer_plan(config: TensorParallelConfig | None = None) -> dict[str, Pa
 
     A starting point for other plans: ``{**transformer_plan(), "blocks.*.mlp.fc": ...}``.
     """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     config = config or TensorParallelConfig()
     plan: dict[str, ParallelStyle] = {
         "blocks.*.attn.q": ColwiseParallel(),
@@ -83,6 +85,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, config: TensorParallelConfig
         if config is not None and config.shard_vocab:
             _check_vocab(model, tp_mesh.size())
     _check_plan(model, plan, tp_mesh.size())
+    from torch.distributed.tensor.parallel import parallelize_module
+
     parallelize_module(model, tp_mesh, plan)
     return model
 

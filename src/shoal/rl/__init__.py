@@ -1,6 +1,16 @@
-"""Distributed reinforcement learning: environment-parallel PPO on shoal's launcher."""
+"""Distributed reinforcement learning: environment-parallel PPO on shoal's launcher.
 
-from shoal.rl.config import PPOConfig
-from shoal.rl.ppo import PPO
+The names below are imported on first use: a run's configuration reads ``PPOConfig``
+without importing the trainer behind ``PPO``.
+"""
 
-__all__ = ["PPO", "PPOConfig"]
+from __future__ import annotations
+
+from shoal.lazy import lazy_names
+
+_LAZY = {"PPO": "shoal.rl.ppo", "PPOConfig": "shoal.rl.config"}
+
+__all__ = sorted(_LAZY)
+
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shoal.checkpoint import CheckpointStore
+from shoal.checkpoint import layout
 from shoal.errors import UsageError
 from shoal.metrics.recorder import MetricsConfig
 from shoal.rl.envs import check_env
@@ -102,7 +102,7 @@ class PPOConfig(BaseModel):
         if (self.checkpoint_every or self.resume == "auto") and not self.checkpoint_dir:
             raise ValueError("checkpoint_every and resume='auto' need checkpoint_dir")
         if self.resume not in (None, "auto"):
-            problem = CheckpointStore.problem(Path(self.resume))
+            problem = layout.problem(Path(self.resume))
             if problem is not None:
                 raise ValueError(f"resume {self.resume}: {problem}")
         return self

@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from shoal.checkpoint import CheckpointStore
+from shoal.checkpoint import layout
 from shoal.errors import usage_error
 from shoal.ft.config import FaultToleranceConfig
 from shoal.metrics.recorder import MetricsConfig
@@ -175,7 +175,7 @@ class TrainerConfig(BaseModel):
         # A run asked to continue must not quietly start afresh: the path must hold a
         # complete checkpoint now, before any process starts.
         if self.resume not in (None, "auto"):
-            problem = CheckpointStore.problem(Path(self.resume))
+            problem = layout.problem(Path(self.resume))
             if problem is not None:
                 raise ValueError(f"resume {self.resume}: {problem}")
         return self
