@@ -112,7 +112,7 @@ def main() -> None:
             if trainer.global_step + 1 == 3 and shoal.is_main():
                 (out / "ready").touch()  # three steps done: a job in full swing
         trainer.optimizer.register_step_post_hook(slow_down)
-    trainer.fit(dataset(), max_steps=args.steps)
+    result = trainer.fit(dataset(), max_steps=args.steps)
     # Every rank's samples of every step of this attempt, merged on rank 0.
     # Every rank's own final state: under local_sgd / diloco the replicas differ.
     torch.save({"model": trainer.module.state_dict(),
@@ -130,7 +130,8 @@ def main() -> None:
             json.dumps({s: sorted(v) for s, v in merged.items()}))
         torch.save({"model": trainer.module.state_dict(),
                     "optimizer": trainer.optimizer.state_dict(),
-                    "rng": torch.get_rng_state()}, out / "final.pt")
+                    "rng": torch.get_rng_state(), "train_loss": result["train_loss"]},
+                   out / "final.pt")
 
 
 if __name__ == "__main__":

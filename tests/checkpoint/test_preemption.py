@@ -56,3 +56,4 @@ def test_signal_saves_exits_and_resumes_exactly(tmp_path, sig):
     assert states_equal(a["model"], b["model"]) and states_equal(a["optimizer"],
                                                                    b["optimizer"])
     assert torch.equal(a["rng"], b["rng"])
+    assert a["train_loss"] == b["train_loss"]  # the epoch's, also where the stop cut it

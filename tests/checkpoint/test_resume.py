@@ -48,6 +48,7 @@ def test_sigkill_at_random_steps_resumes_bit_exactly(tmp_path):
     assert states_equal(a["model"], b["model"]), plan
     assert states_equal(a["optimizer"], b["optimizer"]), plan
     assert states_equal(a["rng"], b["rng"]), plan
+    assert a["train_loss"] == b["train_loss"], plan  # the whole epoch's, not since the resume
 
 
 def _samples(path, attempt=0):

@@ -39,6 +39,7 @@ from shoal.parallel.zero import gather_optimizer_state, is_zero, load_optimizer_
 # layers: up to remote/, which imports nothing of training: checkpoints hold a tier's state
 from shoal.remote.module import remote_modules
 from shoal.training.config import TrainerConfig
+from shoal.training.epoch_loss import Carried, EpochLoss
 from shoal.training.harness import Harness
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class Trainer(Protocol):
     run_config: dict | None
     tracking: dict[str, str]
     checkpointing: Checkpointing | None
+    epoch_loss: EpochLoss
 
     @property
     def module(self) -> torch.nn.Module: ...
@@ -121,6 +123,9 @@ class Checkpointing:
         meta = {"global_step": t.global_step, "epoch": t.epoch,
                 # None: the loader cannot resume mid-epoch; the epoch restarts instead.
                 "consumed": consumed, "batch_size": c.batch_size,
+                # Every rank's so far (a collective): a resumed epoch reports the whole.
+                "epoch_loss": [*t.epoch_loss.totals(t.harness.world_size),
+                               t.harness.world_size * t.accumulate],
                 "global_batch": t.harness.data_ranks * c.batch_size * t.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
                 "run_config": t.run_config, "tracking": t.tracking,
@@ -131,16 +136,17 @@ class Checkpointing:
         self._requested = False
         return path
 
-    def resume(self, source: str) -> int:
+    def resume(self, source: str) -> tuple[int, Carried | None]:
         """Load the checkpoint ``source`` names ('auto': the newest complete one).
 
-        Returns the samples of the current epoch already consumed.
+        Returns the samples of the current epoch already consumed, and the epoch's loss sum
+        and batch count over every rank when it was saved (None: unknown).
         """
         t = self.trainer
         path = self.store.latest() if source == "auto" else Path(source)
         if path is None:
             _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
-            return 0
+            return 0, None
         live = get_model_state_dict(t.state_model)
         others = _other_stages(live) if t.harness.dims.pp_enabled else None
         shared, own, meta = self.store.load(path, like=self._layout() if t.harness.split
@@ -178,7 +184,8 @@ class Checkpointing:
                   else "no new checkpoints are written (checkpoint_dir is unset)")
         _say(t, f"resumed from {path} (step {t.global_step}, epoch {t.epoch}, "
                 f"saved by {meta['world_size']} processes); {writes}")
-        return meta["consumed"] or 0
+        saved_loss = meta.get("epoch_loss")  # absent from checkpoints of earlier releases
+        return meta["consumed"] or 0, Carried(*saved_loss) if saved_loss else None
 
     def _layout(self) -> dict[str, torch.Tensor]:
         """Empty tensors shaped like this rank's shards, for DCP to load each rank's part

@@ -43,6 +43,7 @@ from shoal.training.batches import (
 )
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
+from shoal.training.epoch_loss import Carried, EpochLoss
 from shoal.training.evaluation import validate
 from shoal.training.harness import Harness, seed_everything
 from shoal.training.live import begin_step, check_loader, end_step, open_live
@@ -140,6 +141,8 @@ class Trainer:
         self.accumulate = c.accumulate_grad_batches  # resuming on another W may change it
         self._position: int | None = 0  # global samples of the epoch consumed so far
         self.step_position: int | None = 0  # where the step under way began (live mode)
+        self.epoch_loss = EpochLoss(self.harness.device)  # the epoch's so far (checkpoints)
+        self._carried_loss: Carried | None = None  # a mid-epoch resume's sums
         self.live: LiveSession | None = None  # the live session while fit runs in a live job
         self.history: list[dict[str, float]] = []
         self.skipped_steps: list[int] = []  # steps skipped for non-finite gradients
@@ -215,7 +218,7 @@ class Trainer:
             assert directory is not None  # the config requires checkpoint_dir for 'auto'
             reader = self.checkpointing or Checkpointing(self, directory, every=None,
                                                          keep_last=c.keep_last)
-            consumed = reader.resume(c.resume)
+            consumed, self._carried_loss = reader.resume(c.resume)
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.harness.is_main)
         metrics: dict[str, float] = {}
@@ -308,7 +311,10 @@ class Trainer:
         if not set_epoch(loader, self.epoch, consumed):
             consumed = 0  # this loader cannot start mid-epoch: the epoch starts over
         length = agreed_length(loader, h.device)
-        loss_sum = torch.zeros((), device=h.device, dtype=torch.float64)
+        carried, self._carried_loss = self._carried_loss, None
+        # A checkpoint's sums so far count once, on global rank 0, and only mid-epoch.
+        self.epoch_loss = EpochLoss(h.device, carried if consumed and h.rank == 0 else None,
+                                    per_step=h.world_size * k)
         micro_batches = samples = 0
         step_loss: torch.Tensor | int  # a tensor once the window's first loss is added
         traffic = h.traffic
@@ -346,7 +352,7 @@ class Trainer:
                     h.backward(self._scaled(loss, window, window_samples, n))
             if clock:
                 clock.lap("forward_backward")
-            loss_sum += loss.detach()
+            self.epoch_loss.add(loss)
             micro_batches += 1
             samples += n
             if self._metrics:
@@ -380,12 +386,7 @@ class Trainer:
         if micro_batches == 0 and consumed == 0:
             raise UsageError("the training data gave no batch this epoch (on every rank): "
                              "is the dataset smaller than world size x batch size?")
-        totals = torch.stack([loss_sum, torch.tensor(float(micro_batches), device=h.device,
-                                                     dtype=torch.float64)])
-        if h.world_size > 1:
-            torch.distributed.all_reduce(totals)
-        train_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
-        metrics = {"train_loss": train_loss}
+        metrics = {"train_loss": self.epoch_loss.mean(h.world_size)}
         steps = traffic.steps - before[0]
         if steps:  # this rank's view; the bytes are the same on every rank
             metrics.update(step_time_s=(time.perf_counter() - start) / steps,
