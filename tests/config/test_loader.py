@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import yaml
 
@@ -53,3 +56,16 @@ def test_trainer_settings_are_validated_in_python_too():
     with pytest.raises(UsageError, match=r"trainer\.batchsize: unknown key"):
         TrainerConfig.build(batchsize=3)
     assert TrainerConfig.build(precision=32).precision == "32"
+
+
+def test_reading_a_run_config_imports_no_checkpoint_or_sharding_engine():
+    """`shoal train`'s launcher validates the run config; DCP, DTensor and FSDP (with sympy,
+    about 0.8 s of imports) are the workers' business."""
+    code = ("import sys; from shoal.config.loader import load_run_config; "
+            "load_run_config('examples/gpt.yaml'); "
+            "print([m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor', "
+            "'torch.distributed.fsdp', 'sympy', 'shoal.checkpoint.store') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)  # a hang guard: about 3 s
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]"], out.stdout

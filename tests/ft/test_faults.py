@@ -105,7 +105,12 @@ def test_the_users_lighthouse_gone_for_good_stops_the_job(tmp_path):
     try:
         deadline = time.monotonic() + 200
         while not (live / "held").exists():
-            assert process.poll() is None and time.monotonic() < deadline
+            if process.poll() is not None or time.monotonic() > deadline:
+                ended = process.poll()
+                if ended is None:
+                    process.kill()
+                raise AssertionError(f"the job ended (exit {ended}) or never held:\n"
+                                     + process.communicate(timeout=TIMEOUT)[0].decode()[-4000:])
             time.sleep(0.1)
         os.kill(lighthouse.pid, signal.SIGKILL)
         lighthouse.wait()
@@ -116,14 +121,15 @@ def test_the_users_lighthouse_gone_for_good_stops_the_job(tmp_path):
             if child.poll() is None:
                 os.kill(child.pid, signal.SIGKILL)
                 child.wait()
-    assert process.returncode != 0
+    assert process.returncode != 0, output[-4000:]
     for group in (0, 1):
-        assert f"replica group {group}: no quorum of the replica groups within 4 s" in output
-        assert f"replica group {group}: cannot join the replica groups" in output
+        assert f"replica group {group}: no quorum of the replica groups within 4 s" in output, \
+            output[-4000:]
+        assert f"replica group {group}: cannot join the replica groups" in output, output[-4000:]
         assert len(re.findall(rf"shoal: replica group {group} stopped \(exit code \d+\): the "
                               rf"lighthouse http://127.0.0.1:{port} does not answer",
-                              output)) == 1
-    assert "falling back" not in output
+                              output)) == 1, output[-4000:]
+    assert "falling back" not in output, output[-4000:]
 
 
 @pytest.mark.parametrize("policy", ["exact", "available"])

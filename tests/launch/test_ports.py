@@ -10,11 +10,11 @@ from shoal.launch import launcher, ports
 
 
 def test_a_free_port_is_drawn_below_the_ports_the_os_hands_out():
-    ephemeral = ports.ephemeral_ports()
-    if ephemeral.start <= 16000:
-        pytest.skip(f"this machine's ephemeral range {ephemeral} leaves no room below it")
+    top = min(ports.ephemeral_ports().start, 30000)
+    if top <= 16000:
+        pytest.skip(f"this machine's ephemeral range starts at {top}: no room below it")
     picked = {ports.free_port() for _ in range(20)}
-    assert all(15000 <= p < ephemeral.start for p in picked), picked
+    assert all(15000 <= p < top and p not in range(29400, 29511) for p in picked), picked
     assert len(picked) > 1, "drawn at random, not the same port each time"
     for port in picked:  # free on every address, as a store listening on all of them needs
         with socket.socket() as sock:
@@ -22,16 +22,16 @@ def test_a_free_port_is_drawn_below_the_ports_the_os_hands_out():
 
 
 def test_a_taken_port_is_never_drawn(monkeypatch):
-    with socket.socket() as holder, socket.socket() as other:
+    draw = ports.random.SystemRandom.randrange
+    with socket.socket() as holder:
         holder.bind(("", 0))
         holder.listen()
-        other.bind(("", 0))
-        taken, free = holder.getsockname()[1], other.getsockname()[1]
-        other.close()
-        draws = iter([taken, taken, free])
-        monkeypatch.setattr(ports.random.SystemRandom, "randrange", lambda *_: next(draws))
+        taken = holder.getsockname()[1]
+        draws = iter([taken, taken])
+        monkeypatch.setattr(ports.random.SystemRandom, "randrange",
+                            lambda self, a, b: next(draws, None) or draw(self, a, b))
         monkeypatch.setattr(ports, "ephemeral_ports", lambda: range(60000, 61000))
-        assert ports.free_port() == free
+        assert ports.free_port() != taken
 
 
 def test_without_room_below_the_range_the_os_picks(monkeypatch):

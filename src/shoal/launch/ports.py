@@ -8,9 +8,11 @@ import socket
 
 from shoal.errors import UsageError
 
-# free_port draws from here up to the ephemeral range (Linux: 32768 on): above the ports that
-# services are usually configured on (5000, 6006, 8080, ...).
-_LOWEST = 15000
+# free_port draws from _LOWEST up to the ephemeral range (Linux: 32768 on), at most to
+# _HIGHEST: above the ports services are usually set to (5000, 6006, 8080, ...), below
+# Kubernetes' NodePorts (30000 on), and never torchrun's and shoal's default ports.
+_LOWEST, _HIGHEST = 15000, 30000
+_NAMED = range(29400, 29511)  # torchrun's c10d endpoint (29400), MASTER_PORT (29500) and next
 _TRIES = 64
 
 
@@ -27,22 +29,27 @@ def ephemeral_ports() -> range:
 
 
 def _bindable(port: int) -> bool:
-    """Nothing holds ``port`` on any address, IPv4 or IPv6, right now."""
-    try:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # both families
-        address: tuple = ("::", port)
-    except OSError:  # no IPv6 here
-        sock, address = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("", port)
-    with sock:
+    """Nothing holds ``port`` on any address, IPv4 or IPv6, right now (a store listens on
+    all of them)."""
+    for family, address in ((socket.AF_INET6, ("::", port)), (socket.AF_INET, ("", port))):
         try:
-            sock.bind(address)
-        except OSError:
-            return False
-    return True
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no such family here
+            continue
+        with sock:
+            try:
+                if family == socket.AF_INET6:  # both families at once
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    return False
+                continue  # this family cannot bind here: ask the next
+            return True
+    return False
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "") -> int:
     """A port that is free now and that another process will hardly take before the one it
     is meant for binds it (a store a worker opens seconds later, a daemon still importing).
 
@@ -50,13 +57,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     outgoing connection and every other ``bind(0)`` on the machine draws too: on a busy
     machine one of them can take it in that gap (EADDRINUSE where the store starts). This
     draws at random below that range, where only a program that names the port binds it;
-    where the range leaves no room below it, the OS picks (``host``'s port 0)."""
-    ephemeral = ephemeral_ports()
-    if ephemeral.start > _LOWEST + 1000:
+    where the range leaves no room below it, the OS picks (port 0 on ``host``, default
+    every address)."""
+    top = min(ephemeral_ports().start, _HIGHEST)
+    if top > _LOWEST + 1000:
         draw = random.SystemRandom()
         for _ in range(_TRIES):
-            port = draw.randrange(_LOWEST, ephemeral.start)
-            if _bindable(port):
+            port = draw.randrange(_LOWEST, top)
+            if port not in _NAMED and _bindable(port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))

@@ -4,14 +4,17 @@ mid-epoch resume, so that a resumed epoch reports what the epoch without the sto
 Each rank adds its micro-batches' losses in float64; the epoch's figure is the sum over the
 ranks divided by the count. A checkpoint saved mid-epoch keeps the sums of every rank so
 far (one all-reduce at the save) and how many micro-batches a step adds over the ranks
-(processes x accumulation); on resume, global rank 0 starts from them and the others from
-zero, so the end-of-epoch all-reduce gives the same totals. Resumed with another number of
-processes or accumulation, the sums are scaled to the new count a step (exact where the
-ratio is a power of two). Losses are float32 or
-narrower, and float64 holds their sums exactly, in any order of the additions, while the
-largest loss over the smallest, times the micro-batches a rank adds, stays under 2**29
-(losses from 0.001 to 10 over 30,000 micro-batches): then the figure is bitwise the one of
-the run without the stop; beyond, its last bits may differ.
+(processes x accumulation); on resume, rank 0 starts from them and the others from zero, so
+the end-of-epoch all-reduce gives the same totals. Resumed with another number of processes
+or accumulation, the sums are scaled to the new count a step (exact where the ratio is a
+power of two). Losses are float32 or narrower, and float64 holds their sums exactly, in any
+order of the additions, while the largest loss over the smallest, times the micro-batches a
+rank adds, stays under 2**29 (losses from 0.001 to 10 over 30,000 micro-batches): then the
+figure is bitwise the one of the run without the stop; beyond, its last bits may differ.
+
+In a live job a step that does not commit is done again: its losses are taken back
+(``mark`` before the step, ``rewind``). A replacement group that heals counts from the step
+it joins at: its figure covers its own steps.
 """
 
 from __future__ import annotations
@@ -43,10 +46,21 @@ class EpochLoss:
             total, batches = carried.sum * scale, round(carried.batches * scale)
         self.sum = torch.full((), total, device=device, dtype=torch.float64)
         self.batches = batches
+        self._marked: tuple[torch.Tensor, int] | None = None
 
     def add(self, loss: torch.Tensor) -> None:
         self.sum += loss.detach()
         self.batches += 1
+
+    def mark(self) -> None:
+        """Remember the sums here: a step that does not commit goes back to them."""
+        self._marked = (self.sum.clone(), self.batches)
+
+    def rewind(self) -> None:
+        """Back to the sums at the last ``mark`` (none: as they are)."""
+        if self._marked is not None:
+            self.sum.copy_(self._marked[0])
+            self.batches = self._marked[1]
 
     def totals(self, world_size: int) -> tuple[float, int]:
         """(sum, count) over every rank. Collective where ``world_size`` > 1."""

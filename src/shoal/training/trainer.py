@@ -239,18 +239,20 @@ class Trainer:
         try:
             if self._preemption:
                 self._preemption.start()
+            again = False  # the epoch goes on after a step done again (live recovery)
             while not self._finished(epochs, max_steps):
                 try:
                     train, epoch_done = self._train_epoch(loader, progress, max_steps,
-                                                          consumed)
+                                                          consumed, again)
                 except Redo:  # live recovery: the step starts again where it began
                     consumed = cast(int, self.step_position)  # live: a loader with positions
+                    again = True
                     continue
                 except Preempted as stop:  # while waiting for the other replica groups
                     assert self.live is not None  # raised only while a live session waits
                     self.live.leaving = preemption_exit_code(stop.signum)
                     self._stop_for(stop.signum, self.step_position)
-                consumed = 0
+                consumed, again = 0, False
                 if not epoch_done or self._finished(epochs, max_steps, self.epoch + 1):
                     self.harness.synchronize()  # replicas that train apart end as one
                 metrics = {"epoch": self.epoch, **train}
@@ -304,17 +306,20 @@ class Trainer:
         return min(x for x in (total, max_steps) if x is not None) if total or max_steps else None
 
     def _train_epoch(self, loader: DataLoader, progress: Progress, max_steps: int | None,
-                     consumed: int) -> tuple[dict[str, float], bool]:
-        """One epoch from ``consumed`` samples on; returns (metrics, reached its end)."""
+                     consumed: int, again: bool = False) -> tuple[dict[str, float], bool]:
+        """One epoch from ``consumed`` samples on; returns (metrics, reached its end).
+        ``again``: it goes on after a step that did not commit (its losses are taken back)."""
         h, model, k = self.harness, self.model, self.accumulate
         model.train()
         if not set_epoch(loader, self.epoch, consumed):
             consumed = 0  # this loader cannot start mid-epoch: the epoch starts over
         length = agreed_length(loader, h.device)
         carried, self._carried_loss = self._carried_loss, None
-        # A checkpoint's sums so far count once, on global rank 0, and only mid-epoch.
-        self.epoch_loss = EpochLoss(h.device, carried if consumed and h.rank == 0 else None,
-                                    per_step=h.world_size * k)
+        if again:
+            self.epoch_loss.rewind()
+        else:  # a checkpoint's sums so far count once, on rank 0, and only mid-epoch
+            self.epoch_loss = EpochLoss(h.device, carried if consumed and h.rank == 0
+                                        else None, per_step=h.world_size * k)
         micro_batches = samples = 0
         step_loss: torch.Tensor | int  # a tensor once the window's first loss is added
         traffic = h.traffic
@@ -337,6 +342,7 @@ class Trainer:
                 window_samples = samples_between(loader, i, i + window)
                 step_loss, step_samples, step_tokens = 0, 0, 0
                 if self.live is not None:  # meet the other replica groups (may heal)
+                    self.epoch_loss.mark()  # what a step done again goes back to
                     begin_step(self, loader, i)
             batch = h.to_device(batch)
             n = samples_in(batch)
