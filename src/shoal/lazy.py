@@ -27,6 +27,6 @@ def lazy_names(package: str, names: dict[str, str], namespace: dict[str, Any]
         return value
 
     def __dir__() -> list[str]:
-        return sorted([*namespace, *names])
+        return sorted({*namespace, *names})  # a name used once is in both
 
     return __getattr__, __dir__
