@@ -10,7 +10,8 @@
    killed, bitwise equality with the reference (not for 'available'), goodput (committed
    steps per second against the same mode without kills), the mode's step rate without
    kills against DDP's, the bytes and time of each heal, and the run's length.
-   `--json FILE` writes them, one object per mode.
+   `--json FILE` writes them, one object per mode. `--kills 0` measures only each mode's
+   step rate without kills against DDP's (the cost of live recovery while nothing fails).
 2. Save: a model + AdamW state of --state-mb megabytes (>= 500), saved by one process:
    synchronous save time, asynchronous save's blocking time (target <= 10 % of the
    synchronous time; after a first save that allocates the reused copy buffers) and total
@@ -195,6 +196,9 @@ def measure_recovery(steps: int, kills: int, seed: int, compression: str = "none
             quiet = _run_job(mode, steps, [], compression)
             calm[kind] = _rate(quiet)
             shutil.rmtree(quiet, ignore_errors=True)
+        if not schedule:  # --kills 0: each mode's cost without failures, nothing else
+            results.append({"mode": mode, "rate_vs_ddp": calm[kind] / ddp_rate})
+            continue
         out = _run_job(mode, steps, schedule, compression)
         figures = _figures(mode, out, schedule, baseline, calm[kind])
         figures["rate_vs_ddp"] = calm[kind] / ddp_rate  # the mode's cost without failures
@@ -264,6 +268,11 @@ def _print_recovery(results: list[dict], steps: int, kills: int, compression: st
     print(f"recovery: a {steps}-step digits job on 2 data-parallel workers "
           f"(compression {compression}), {kills} SIGKILLs of a random worker at random "
           "steps, the same kills each way")
+    for r in results:
+        print(f"  {r['mode']}: without kills, {r['rate_vs_ddp']:.2f} x the step rate of "
+              "2-process DDP")
+    if not kills:
+        return
     print(f"  {'mode':<16}{'pause (s)':>10}{'rejoin (s)':>11}{'lost':>6}{'restarts':>9}"
           f"{'equal':>7}{'goodput':>9}{'healed':>10}{'heal (s)':>9}{'kills':>6}{'run (s)':>8}")
     for r in results:
@@ -273,9 +282,6 @@ def _print_recovery(results: list[dict], steps: int, kills: int, compression: st
               f"{r['steps_lost']:>6}{r['survivor_restarts']:>9}{str(r['equal']):>7}"
               f"{r['goodput']:>9.2f}{r['healed_bytes'] / 2**20:>8.2f}MB{heal:>9}{r['kills']:>6}"
               f"{r['seconds']:>8.0f}")
-    for r in results:
-        print(f"  {r['mode']}: without kills, {r['rate_vs_ddp']:.2f} x the step rate of "
-              "2-process DDP")
     print("  pause: kill -> the other worker's next step past the killed one's last, or its "
           "first in a new process (median); rejoin: kill -> "
           "the replacement's; lost: steps done again after a kill (live exact under powersgd "
