@@ -26,9 +26,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shoal.checkpoint import layout, tree
+from shoal.checkpoint.layout import COMMIT, META, STEP_DIR
 from shoal.runtime.compat import stager_reusable
-
-_STEP_DIR, COMMIT, META = layout.STEP_DIR, layout.COMMIT, layout.META
 
 
 class CheckpointError(RuntimeError):
@@ -172,9 +171,9 @@ class CheckpointStore:
     def _step_dirs(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+        found = [p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
         return sorted(found, key=lambda p: int(
-            cast("re.Match[str]", _STEP_DIR.match(p.name)).group(1)))  # matched above
+            cast("re.Match[str]", STEP_DIR.match(p.name)).group(1)))  # matched above
 
     @staticmethod
     def problem(path: Path) -> str | None:
