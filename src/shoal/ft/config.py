@@ -21,7 +21,7 @@ ENV_HOST = "SHOAL_FT_HOST"
 
 
 # Settings that only the workers read: a Trainer may set them itself under `shoal run`.
-WORKERS_OWN = ("compression_state_every",)
+WORKERS_OWN = ("compression_state_every", "quorum_every_s")
 
 
 class FaultToleranceConfig(BaseModel):
@@ -56,6 +56,12 @@ class FaultToleranceConfig(BaseModel):
     replacement_timeout_s: float = Field(120.0, gt=0)
     """Policy 'exact': how long the other groups wait for a replacement before they give up
     and fall back to the restart from the last checkpoint."""
+    quorum_every_s: float = Field(0.5, gt=0)
+    """A step after one that committed with every group in it reuses that quorum, without
+    a round trip to the lighthouse (a lost group makes the next step's collective fail,
+    and the step done again holds a full quorum). The groups hold a full quorum at least
+    this often: how long a replacement under 'available' may wait to be let in, and how
+    soon a lighthouse that is gone is noticed."""
     compression_state_every: int = Field(10, ge=1)
     """Policy 'exact' with compression powersgd or topk, whose error feedback each rank keeps
     for itself: every this many steps each group hands the others its compression state, and

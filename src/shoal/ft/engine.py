@@ -111,6 +111,19 @@ def _heal_transport(host: str, timeout: timedelta) -> Any:
     return _Transport(timeout=timeout, num_chunks=0)
 
 
+# What a one-process group's local commit vote reads and sets in torchft's Manager (its
+# should_commit does the same, then waits for the group's other ranks).
+_COMMIT_FIELDS = ("_recovery_event", "_pg", "_healing", "_apply_pending_state_dict",
+                  "_min_replica_size", "_errored", "_checkpoint_transport", "_step",
+                  "_batches_committed", "_commit_failures")
+
+
+def _accelerator() -> bool:
+    import torch
+
+    return torch.accelerator.is_available()
+
+
 class Replica:
     """This worker's membership in the quorum: one torchft Manager and its process group
     across groups (rank i of each group meets rank i of the others)."""
@@ -140,6 +153,8 @@ class Replica:
             # The ManagerServer asks the lighthouse again (with backoff) when a request
             # fails: a lighthouse the launcher starts again is back within a second.
             quorum_retries=20)
+        self._alone = group_size == 1 and all(
+            hasattr(self._manager, name) for name in _COMMIT_FIELDS)
 
     def _loaded(self, state: dict) -> None:
         self._load(state)
@@ -159,6 +174,20 @@ class Replica:
             raise
         return Quorum(participants=self._manager.num_participants(), healed=self._healed)
 
+    def again(self) -> Quorum:
+        """The last quorum, for one more step, without a round trip to the lighthouse (the
+        step before committed with every group in it). A group lost since makes the step's
+        collective fail: the step does not commit, and the next quorum is a full one."""
+        m = self._manager
+        m._errored = None  # what start_quorum resets, with no quorum to wait for
+        m._healing = False
+        return Quorum(participants=m.num_participants(), healed=False)
+
+    @property
+    def alone(self) -> bool:
+        """One process a group (its commit vote is its own)."""
+        return self._alone
+
     def average(self, tensors: Sequence[torch.Tensor], wire: torch.dtype | None = None
                 ) -> None:
         """Average ``tensors`` (flattened into one buffer) over the groups of this step; on
@@ -170,14 +199,14 @@ class Replica:
         if not tensors:
             return
         import torch
-        from torch.distributed import ReduceOp
 
         flat = torch.cat([t.reshape(-1) for t in tensors])
         if wire is None:
-            self._manager.allreduce(flat).wait()
+            self._sum(flat)
+            flat /= self._manager.num_participants()
         else:
             sent = flat.to(wire).div_(self._manager.num_participants())
-            self._manager.allreduce(sent, reduce_op=ReduceOp.SUM).wait()
+            self._sum(sent)
             flat = sent.to(flat.dtype)
         offset = 0
         for t in tensors:
@@ -187,9 +216,26 @@ class Replica:
     def sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` (any dtype) over the groups of this step, in place; on a failure
         the step is marked as errored."""
-        from torch.distributed import ReduceOp
+        self._sum(tensor)
 
-        self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+    def _sum(self, tensor: torch.Tensor) -> None:
+        """The sum over the groups in place, on the process group the quorum configured
+        (what the manager's allreduce does, without its futures and timers: a gloo
+        collective has its own deadline). After a failure the step is marked as errored,
+        and later collectives of the step are skipped."""
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        m = self._manager
+        if m.errored():
+            return
+        if not m.is_participating():
+            tensor.zero_()
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp(ReduceOp.SUM)
+        try:
+            m._pg.allreduce([tensor], options).wait()
+        except Exception as exc:  # noqa: BLE001 - a lost group, a timeout: the step fails
+            m.report_error(exc)
 
     def abstain(self) -> None:
         """Vote against committing the step under way (every group then does it again)."""
@@ -203,7 +249,33 @@ class Replica:
     def commit(self) -> bool:
         """Whether every group of the step may apply it: nothing failed, and under 'exact'
         every group took part (the manager's minimum replica count)."""
-        return self._manager.should_commit()
+        if not self._alone:
+            return self._manager.should_commit()
+        # One process a group: the vote inside the group is this process's own, so the
+        # round trip to the group's manager server that should_commit makes is skipped;
+        # the rest is torchft 0.2.0's should_commit, line for line.
+        m = self._manager
+        if m._recovery_event is not None:
+            m._recovery_event.synchronize()
+            m._recovery_event = None
+        if _accelerator():
+            import torch
+
+            torch.accelerator.synchronize()
+        if err := m._pg.errored():
+            m.report_error(err)
+        if m._healing:
+            m._apply_pending_state_dict()
+        participants = m.num_participants()
+        ok = participants >= m._min_replica_size and m._errored is None
+        m._checkpoint_transport.disallow_checkpoint()
+        if ok:
+            m._step += 1
+            m._batches_committed += participants
+            m._commit_failures = 0
+        else:
+            m._commit_failures += 1
+        return ok
 
     @property
     def errored(self) -> bool:

@@ -92,6 +92,9 @@ class LiveSession:
         self._state, self._load, self._record = state, load, record
         self._wire = wire  # the precision gradients are sent in across groups (fp16, bf16)
         self._quorum: Quorum | None = None  # the quorum of the step under way
+        self._steady = False  # the next step reuses the last quorum (see _average)
+        self._asked = False  # a group asked for a full quorum in the step's average
+        self._full_at = 0.0  # when this group last asked the lighthouse
         self._participants = place.groups
         self._started = 0.0
         self.in_quorum = False  # waiting for the other groups at a quorum
@@ -154,10 +157,13 @@ class LiveSession:
         again after a heal)."""
         if self._replay:  # a logged step, redone alone
             return
-        if self._quorum is None and self._start_quorum().healed:
-            if self._replay:
-                self._sit_out()
-            raise Redo()
+        if self._quorum is None:
+            if self._steady:  # nothing changed since the last quorum: no round trip
+                self._quorum = self.replica.again()
+            elif self._start_quorum().healed:
+                if self._replay:
+                    self._sit_out()
+                raise Redo()
         if self._restore is not None:
             assert self._private is not None  # given with restore (the compression state)
             self._kept = self._private()
@@ -174,7 +180,7 @@ class LiveSession:
         zeros = self._blank()
         flags = torch.zeros(2, dtype=zeros[0].dtype if zeros else torch.float32)
         with heartbeat.waiting():
-            self.replica.average([*zeros, flags], self._wire)
+            self._average([*zeros, flags])
             if flags[1] > 0:  # the others hand over their compression state in this step
                 self._gather(b"")
             self.replica.abstain()
@@ -187,7 +193,7 @@ class LiveSession:
         """The quorum of a step (kept for it), which a group behind heals in. A job starts
         whole: its first step waits for every group, also under 'available' (whose
         lighthouse forms a quorum of whoever is there)."""
-        self._started = time.monotonic()
+        self._started = self._full_at = time.monotonic()
         self._quorum = self._meet()
         while (self.replica.step == 0 and not self._quorum.healed
                and self._quorum.participants < self.place.groups):
@@ -234,11 +240,12 @@ class LiveSession:
             _unflatten(self._replay.pop(0), grads)
             return True
         quorum, self._quorum = self._quorum, None
+        self._steady = False  # until this step commits with every group in it
         with heartbeat.waiting():  # each wait for the other groups has its own deadline
             if self._logged:
                 self._average_logged(grads)
             else:
-                self.replica.average(grads, self._wire)
+                self._average(grads)
             committed = self.replica.commit()
         if self._logged:
             self._log_step(grads if committed else None)
@@ -251,6 +258,7 @@ class LiveSession:
             return False
         assert quorum is not None  # begin_step started it
         groups, joined = self.place.groups, quorum.participants
+        self._steady = joined == groups and not self._asked
         if joined < groups:
             self.skipped_samples += (groups - joined) * samples
         if joined != self._participants:
@@ -265,12 +273,30 @@ class LiveSession:
                          skipped_samples=self.skipped_samples)
         return True
 
+    def _average(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The mean over the groups of the step, with one more number: whether a group asks
+        for a full quorum before the next step.
+
+        A step whose quorum had every group and that committed everywhere leaves nothing
+        for a quorum to change: the next step reuses it, without a round trip to the
+        lighthouse. A lost group is still noticed at once, by the next step's collective,
+        which then fails: that step does not commit, and the one done again meets the
+        lighthouse (a replacement heals there). A group asks for a full quorum at least
+        every ``quorum_every_s``, so that a lighthouse that is gone is noticed, and always
+        when its group has several processes (whose vote is taken by its manager); all see
+        the same sum, so every group holds the next quorum, or none."""
+        due = (not self.replica.alone
+               or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
+        ask = torch.tensor([float(due)], dtype=tensors[0].dtype if tensors else torch.float32)
+        self.replica.average([*tensors, ask], self._wire)
+        self._asked = float(ask) > 0
+
     def _average_logged(self, grads: Sequence[torch.Tensor]) -> None:
         """The mean with two flags: this group brings its step (every group must, or none
         commits: a commit vote is taken inside each group), and it hands over its
         compression state in this step (then every group does)."""
         flags = torch.tensor([1.0, float(self._pending is not None)], dtype=grads[0].dtype)
-        self.replica.average([*grads, flags], self._wire)
+        self._average([*grads, flags])
         self._gathered = (self._gather(self._serialized(self._kept)) if flags[1] > 0
                           else None)
         if round(float(flags[0]) * self.place.groups) < self.place.groups:
