@@ -18,7 +18,8 @@ replacement has taken a step (so that it rejoins before the run ends, under poli
 something to the job meanwhile). ``--no-commit G:S``: group G takes its vote on step S as
 no, once, while the others commit it. ``--step-sleep S``: after each step every group
 writes its step to OUT/step.g<group> and sleeps S seconds (the test acts on a job under
-way).
+way). ``--quorum-every S``: the Trainer's own ``fault_tolerance.quorum_every_s``. The
+final state also says how many quorums the process asked the lighthouse for.
 """
 
 import argparse
@@ -59,6 +60,8 @@ parser.add_argument("--step-sleep", type=float, default=None)
 parser.add_argument("--strategy", default="ddp")
 parser.add_argument("--compression", default="none", help="a name, or its settings as JSON")
 parser.add_argument("--period", type=int, default=None, help="of local_sgd or diloco")
+parser.add_argument("--quorum-every", type=float, default=None,
+                    help="the Trainer's fault_tolerance.quorum_every_s")
 parser.add_argument("--no-commit", default=None,
                     help="G:S: group G's vote on step S says no, once (the others commit)")
 args = parser.parse_args()
@@ -74,6 +77,8 @@ trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), b
                         compression=json.loads(args.compression)
                         if args.compression.startswith("{") else args.compression,
                         **({args.strategy: {"period": args.period}} if args.period else {}),
+                        **({"fault_tolerance": {"quorum_every_s": args.quorum_every}}
+                           if args.quorum_every else {}),
                         metrics={"dir": args.metrics} if args.metrics else {"enabled": False},
                         **({"checkpoint_dir": args.checkpoints, "checkpoint_every": 1,
                             "resume": "auto"} if args.checkpoints else {}))
@@ -138,5 +143,6 @@ if args.no_commit:
         Replica.commit = commit_but_once
 (out / f"ready.g{group}.a{attempt}.r{rank}").write_text("")
 trainer.fit(build_data()[0])
-torch.save({**full_state(trainer), "step": trainer.global_step},
+torch.save({**full_state(trainer), "step": trainer.global_step,
+            "quorums": trainer.live.quorums if trainer.live else None},
            out / f"final.g{group}.r{rank}.pt")

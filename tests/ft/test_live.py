@@ -119,6 +119,17 @@ def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
     assert _equals_ddp(live, ddp_run())
 
 
+def test_without_failures_the_groups_ask_the_lighthouse_once(tmp_path, ddp_run):
+    """Every step commits with both groups in it, so each step after the first reuses the
+    first quorum (no full quorum is due within the hour the Trainer sets): one quorum per
+    group for the whole run, and both end bitwise equal to the 2-process DDP run."""
+    live = tmp_path / "live"
+    output = _finish(_shoal_run(live, "--replica-groups", "2", job=("--quorum-every", "3600")))
+    assert [final(live, group)["quorums"] for group in (0, 1)] == [1, 1], output[-4000:]
+    assert all(final(live, group)["step"] == STEPS for group in (0, 1))
+    assert _equals_ddp(live, ddp_run())
+
+
 def _val_loss(model_state: dict) -> float:
     model = build_model(hidden=64)
     model.load_state_dict(model_state)

@@ -95,6 +95,8 @@ class LiveSession:
         self._steady = False  # the next step reuses the last quorum (see _average)
         self._asked = False  # a group asked for a full quorum in the step's average
         self._full_at = 0.0  # when this group last asked the lighthouse
+        self.quorums = 0
+        """Quorums this process asked the lighthouse for, for its steps (not reused)."""
         self._participants = place.groups
         self._started = 0.0
         self.in_quorum = False  # waiting for the other groups at a quorum
@@ -194,6 +196,7 @@ class LiveSession:
         whole: its first step waits for every group, also under 'available' (whose
         lighthouse forms a quorum of whoever is there)."""
         self._started = self._full_at = time.monotonic()
+        self.quorums += 1
         self._quorum = self._meet()
         while (self.replica.step == 0 and not self._quorum.healed
                and self._quorum.participants < self.place.groups):
