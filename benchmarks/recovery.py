@@ -139,7 +139,6 @@ def _figures(mode: str, out: Path, schedule: list[tuple[int, int]], baseline: Pa
     for i in done:
         victim = schedule[i][1]
         killed = float((out / f"kill_{i}").read_text())
-        before = max(step for t, step, _, _ in rows if t < killed)
         after = [(t, step, slot) for t, step, slot, _ in rows if t > killed]
         last = max(step for t, step, slot, _ in rows if t < killed and slot == victim)
         pid_at_kill = {slot: pid for t, _, slot, pid in rows if t < killed}
@@ -152,7 +151,14 @@ def _figures(mode: str, out: Path, schedule: list[tuple[int, int]], baseline: Pa
         rejoins.append(next((t for t, _, slot in after if slot == victim), None))
         if rejoins[-1] is not None:
             rejoins[-1] -= killed
-        lost += max(0, before - (min(step for _, step, _ in after) - 1))
+        # Steps done again: those a worker had committed before the kill and commits again
+        # after it (until the next kill). A survivor's step logged just after the victim's
+        # death is not one: it was committed once.
+        until = (float((out / f"kill_{i + 1}").read_text()) if i + 1 in done
+                 else float("inf"))
+        lost += max(len({step for t, step, s, _ in rows if t < killed and s == slot}
+                        & {step for t, step, s, _ in rows if killed < t < until and s == slot})
+                    for slot in {s for _, _, s, _ in rows})
     pids = {(slot, pid) for _, _, slot, pid in rows}
     restarts = len(pids) - len({slot for slot, _ in pids})
     healed = [h for path in out.glob("healed.*") for h in json.loads(path.read_text())

@@ -18,8 +18,9 @@ replacement has taken a step (so that it rejoins before the run ends, under poli
 something to the job meanwhile). ``--no-commit G:S``: group G takes its vote on step S as
 no, once, while the others commit it. ``--step-sleep S``: after each step every group
 writes its step to OUT/step.g<group> and sleeps S seconds (the test acts on a job under
-way). ``--quorum-every S``: the Trainer's own ``fault_tolerance.quorum_every_s``. The
-final state also says how many quorums the process asked the lighthouse for.
+way). ``--quorum-every S``: the Trainer's own ``fault_tolerance.quorum_every_s``. Beside
+the final state, OUT/figures.g<group>.r<rank>.json holds the validation figures after the
+last step and how many quorums the process asked the lighthouse for.
 """
 
 import argparse
@@ -143,6 +144,8 @@ if args.no_commit:
         Replica.commit = commit_but_once
 (out / f"ready.g{group}.a{attempt}.r{rank}").write_text("")
 trainer.fit(build_data()[0])
-torch.save({**full_state(trainer), "step": trainer.global_step,
-            "quorums": trainer.live.quorums if trainer.live else None},
+(out / f"figures.g{group}.r{rank}.json").write_text(json.dumps(
+    {"quorums": trainer.live.quorums if trainer.live else None,
+     "validation": trainer.validate(build_data()[1])}))
+torch.save({**full_state(trainer), "step": trainer.global_step},
            out / f"final.g{group}.r{rank}.pt")

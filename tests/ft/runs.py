@@ -4,6 +4,7 @@ together)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,6 +74,11 @@ def start_piped(cmd: list[str]) -> subprocess.Popen | zygote.Forked:
 def final(out: Path, group: int = 0, rank: int = 0) -> dict:
     """What rank ``rank`` of group ``group`` saved at the end (model, optimizer, step)."""
     return torch.load(out / f"final.g{group}.r{rank}.pt")
+
+
+def figures(out: Path, group: int = 0, rank: int = 0) -> dict:
+    """What rank ``rank`` of group ``group`` reported at the end (validation, quorums)."""
+    return json.loads((out / f"figures.g{group}.r{rank}.json").read_text())
 
 
 def pids(out: Path) -> list[str]:

@@ -92,7 +92,8 @@ def test_the_users_lighthouse_gone_for_good_stops_the_job(tmp_path):
     """A lighthouse given by address dies mid-run and does not come back: each group stops
     after its quorum deadline (its restart cannot join either), the launcher says so once
     per group and falls back to nothing, and the job ends with a failure instead of
-    hanging."""
+    hanging. (A full quorum every step here: a job that nothing fails needs none while its
+    steps commit, and would finish without the lighthouse.)"""
     port = free_port("127.0.0.1")
     lighthouse = subprocess.Popen(
         [sys.executable, "-m", "shoal.ft.lighthouse", "--bind", f"127.0.0.1:{port}",
@@ -101,7 +102,8 @@ def test_the_users_lighthouse_gone_for_good_stops_the_job(tmp_path):
     live = tmp_path / "live"
     process = _shoal_run(live, "--replica-groups", "2", "--max-restarts", "1",
                          "--lighthouse", f"http://127.0.0.1:{port}", "--ft-step-timeout", "1",
-                         "--ft-replacement-timeout", "4", job=("--hold", "3"))
+                         "--ft-replacement-timeout", "4",
+                         job=("--hold", "3", "--quorum-every", "0.001"))
     try:
         deadline = time.monotonic() + 200
         while not (live / "held").exists():

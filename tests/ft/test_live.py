@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.examples.digits import build_data, build_model
-from tests.ft.runs import TIMEOUT, final, pids, start_piped
+from tests.ft.runs import TIMEOUT, figures, final, pids, start_piped
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
@@ -122,12 +122,15 @@ def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
 def test_without_failures_the_groups_ask_the_lighthouse_once(tmp_path, ddp_run):
     """Every step commits with both groups in it, so each step after the first reuses the
     first quorum (no full quorum is due within the hour the Trainer sets): one quorum per
-    group for the whole run, and both end bitwise equal to the 2-process DDP run."""
+    group for the whole run, and both end bitwise equal to the 2-process DDP run. Each
+    group validates alone, in DDP's batches: the very figures DDP reports."""
     live = tmp_path / "live"
     output = _finish(_shoal_run(live, "--replica-groups", "2", job=("--quorum-every", "3600")))
-    assert [final(live, group)["quorums"] for group in (0, 1)] == [1, 1], output[-4000:]
+    assert [figures(live, group)["quorums"] for group in (0, 1)] == [1, 1], output[-4000:]
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
+    assert figures(live, 0)["validation"] == figures(live, 1)["validation"] \
+        == figures(ddp_run(), 0)["validation"]
 
 
 def _val_loss(model_state: dict) -> float:

@@ -136,6 +136,7 @@ class Replica:
         c = place.config
         step = timedelta(seconds=c.step_timeout_s)
         self._healed = False
+        self._participants = 0  # groups in the last quorum
         self._load = load
         exact = c.policy == "exact"
         self._manager = Manager(
@@ -172,7 +173,10 @@ class Replica:
             # would raise its error again: drop it, so that a later try starts afresh.
             self._manager._quorum_future = None
             raise
-        return Quorum(participants=self._manager.num_participants(), healed=self._healed)
+        # Read once a quorum: the manager's own reader waits on the quorum's future under a
+        # profiler range each time.
+        self._participants = self._manager.num_participants()
+        return Quorum(participants=self._participants, healed=self._healed)
 
     def again(self) -> Quorum:
         """The last quorum, for one more step, without a round trip to the lighthouse (the
@@ -181,7 +185,7 @@ class Replica:
         m = self._manager
         m._errored = None  # what start_quorum resets, with no quorum to wait for
         m._healing = False
-        return Quorum(participants=m.num_participants(), healed=False)
+        return Quorum(participants=self._participants, healed=False)
 
     @property
     def alone(self) -> bool:
@@ -203,9 +207,9 @@ class Replica:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         if wire is None:
             self._sum(flat)
-            flat /= self._manager.num_participants()
+            flat /= self._participants
         else:
-            sent = flat.to(wire).div_(self._manager.num_participants())
+            sent = flat.to(wire).div_(self._participants)
             self._sum(sent)
             flat = sent.to(flat.dtype)
         offset = 0
@@ -266,7 +270,7 @@ class Replica:
             m.report_error(err)
         if m._healing:
             m._apply_pending_state_dict()
-        participants = m.num_participants()
+        participants = self._participants
         ok = participants >= m._min_replica_size and m._errored is None
         m._checkpoint_transport.disallow_checkpoint()
         if ok:

@@ -20,12 +20,31 @@ Trainer = Any  # a shoal.Trainer (not imported: its module imports this one)
 def validate(t: Trainer, val_data: Dataset | DataLoader) -> dict[str, float]:
     """Loss (and accuracy for class targets) over the whole validation set, all ranks."""
     h = t.harness
-    loader = t._loader(val_data, evaluation=True)
     module = t.module
     was_training = module.training
     module.eval()
     # loss * n, correct, n, batches not of class targets: summed over ranks, so the
     # mean weights every sample once (tp ranks each count every sample: the same mean).
+    # A live group adds every group's share in the order DDP's sum over ranks does.
+    totals = torch.zeros(4, device=h.device, dtype=torch.float64)
+    for share in h.validation_shares():
+        loader = h.setup_dataloader(val_data, t.config.batch_size, evaluation=True,
+                                    num_workers=t.config.num_workers, share=share)
+        totals += _share_totals(t, module, loader)
+    module.train(was_training)
+    if h.world_size > 1:
+        torch.distributed.all_reduce(totals)
+    classify = totals[3].item() == 0
+    count = totals[2].clamp(min=1)
+    result = {"val_loss": (totals[0] / count).item()}
+    if classify:
+        result["val_accuracy"] = (totals[1] / count).item()
+    return result
+
+
+def _share_totals(t: Trainer, module: nn.Module, loader: DataLoader) -> torch.Tensor:
+    """One data rank's validation sums (see ``validate``)."""
+    h = t.harness
     totals = torch.zeros(4, device=h.device, dtype=torch.float64)
     batches = lockstep_batches(loader, h.device) if h.sharded else ((b, True) for b in loader)
     for batch, counts in batches:
@@ -41,15 +60,7 @@ def validate(t: Trainer, val_data: Dataset | DataLoader) -> dict[str, float]:
             totals[3] += 1
         else:
             totals[1] += correct
-    module.train(was_training)
-    if h.world_size > 1:
-        torch.distributed.all_reduce(totals)
-    classify = totals[3].item() == 0
-    count = totals[2].clamp(min=1)
-    result = {"val_loss": (totals[0] / count).item()}
-    if classify:
-        result["val_accuracy"] = (totals[1] / count).item()
-    return result
+    return totals
 
 
 def _evaluate(t: Trainer, module: nn.Module, batch: Any

@@ -368,21 +368,21 @@ class Harness:
 
     def setup_dataloader(self, data: Dataset | DataLoader, batch_size: int = 32, *,
                          shuffle: bool = True, evaluation: bool = False,
-                         num_workers: int = 0) -> DataLoader:
+                         num_workers: int = 0, share: int | None = None) -> DataLoader:
         """A loader over this rank's share of ``data`` (see ``shard_dataloader``): shares
         go to the dp ranks; the tp and pp ranks of one dp rank read the same batches.
         Pipeline training needs full batches: an epoch's incomplete last one is dropped.
+        ``share`` (evaluation): the share of that data rank instead of this rank's own (a
+        live replica group validates every group's, see ``validation_shares``).
 
         Raises:
             UsageError: If ``data`` is a DataLoader whose sampler shoal cannot split over
                 the ranks, or, under tp or pp, a loader whose batches shoal does not split.
             ValueError: If ``batch_size`` is below 1.
         """
-        # Each live replica group validates on the whole set; training splits over them all.
         assert self.dims.dp is not None  # resolved in __init__
-        ranks, rank = (self.dims.dp, self.dp_rank) if evaluation else (self.data_ranks,
-                                                                       self.data_rank)
-        loader = shard_dataloader(data, world_size=ranks, rank=rank,
+        rank = share if evaluation and share is not None else self.data_rank
+        loader = shard_dataloader(data, world_size=self.data_ranks, rank=rank,
                                   batch_size=batch_size, shuffle=shuffle and not evaluation,
                                   seed=self.config.seed, evaluation=evaluation,
                                   num_workers=num_workers,
@@ -399,6 +399,17 @@ class Harness:
                              f"batches), which it cannot do for this loader's {kind}: pass "
                              "a map-style Dataset, or a DataLoader with a plain sampler")
         return loader
+
+    def validation_shares(self) -> list[int]:
+        """The data ranks whose validation shares this rank evaluates: its own and, in a
+        live job, the same dp rank's of every other replica group. Each group validates
+        the whole set, split in the very batches that DDP over all groups' ranks uses, so
+        that it reports DDP's figures without waiting for another group.
+
+        Never raises.
+        """
+        assert self.dims.dp is not None  # resolved in __init__
+        return [group * self.dims.dp + self.dp_rank for group in range(self.replica_groups[0])]
 
     def to_device(self, batch: Any) -> Any:
         """``batch`` on this rank's device, whatever its structure (pairs, tuples, dicts,
