@@ -151,3 +151,21 @@ def test_a_group_whose_last_step_did_not_commit_heals_from_the_others(tmp_path, 
     assert finals[0]["step"] == finals[1]["step"] == STEPS
     assert states_equal(finals[0]["model"], finals[1]["model"])
     assert states_equal(finals[0]["optimizer"], finals[1]["optimizer"])
+
+
+def test_a_group_whose_step_did_not_commit_mid_run_heals_without_waiting(tmp_path, ddp_run):  # noqa: F811
+    """Group 1's vote on step 10 says no where group 0's commits. Group 0 goes on without a
+    quorum (its step committed with every group in it), so group 1 closes its process group
+    across groups: group 0's next all-reduce fails at once, the step does not commit, and
+    both meet in the next quorum, where group 1 heals, long before the step timeout (60 s
+    here) that group 0 would otherwise wait; the run ends bitwise equal to DDP."""
+    live = tmp_path / "live"
+    output = _finish(_shoal_run(live, "--replica-groups", "2", "--ft-step-timeout", "60",
+                                job=("--no-commit", "1:10")))
+    assert "replica group 1: step 10 did not commit" in output
+    assert "replica group 0: step 11 did not commit" in output
+    healed = re.search(r"replica group 1: healed from a live group at step 10 "
+                       r"\(\S+ MB in (\S+) s\)", output)
+    assert healed and float(healed.group(1)) < 60, output[-4000:]
+    assert pids(live) == ["pid.g0.a0.r0", "pid.g1.a0.r0"], output[-6000:]
+    assert _equals_ddp(live, ddp_run())

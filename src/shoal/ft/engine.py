@@ -187,6 +187,13 @@ class Replica:
         m._healing = False
         return Quorum(participants=self._participants, healed=False)
 
+    def drop(self) -> None:
+        """Close the process group across groups, after a step that did not commit here. A
+        group whose step committed goes on without a quorum: its next collective then fails
+        at once, instead of after its deadline, and it meets this group in the next quorum
+        (which configures a new process group: a failed step changes the quorum's id)."""
+        self._manager._pg.abort(errored=False)
+
     @property
     def alone(self) -> bool:
         """One process a group (its commit vote is its own)."""

@@ -253,6 +253,7 @@ class LiveSession:
         if self._logged:
             self._log_step(grads if committed else None)
         if not committed:
+            self.replica.drop()  # a group that committed fails its next step at once
             if self._kept is not None:
                 assert self._restore is not None  # _kept is only set under a restore
                 self._restore(self._kept)  # the step's error feedback is undone too
