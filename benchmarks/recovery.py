@@ -99,6 +99,8 @@ def job(out: Path, steps: int, schedule: list[tuple[int, int]], checkpoints: boo
     trainer.fit(build_data()[0])
     if trainer.live is not None:
         (out / f"healed.{slot}.{os.getpid()}.json").write_text(json.dumps(trainer.live.healed))
+        (out / f"quorums.{slot}.{os.getpid()}.json").write_text(json.dumps(
+            {"quorums": trainer.live.quorums, "seconds": trainer.live.quorum_seconds}))
     if slot == 0 or trainer.live is not None:
         torch.save(trainer.module.state_dict(), out / f"final.{slot}.pt")
 

@@ -97,6 +97,8 @@ class LiveSession:
         self._full_at = 0.0  # when this group last asked the lighthouse
         self.quorums = 0
         """Quorums this process asked the lighthouse for, for its steps (not reused)."""
+        self.quorum_seconds = 0.0
+        """The time this process spent in them (a heal included)."""
         self._participants = place.groups
         self._started = 0.0
         self.in_quorum = False  # waiting for the other groups at a quorum
@@ -202,6 +204,7 @@ class LiveSession:
                and self._quorum.participants < self.place.groups):
             time.sleep(0.05)
             self._quorum = self._meet()
+        self.quorum_seconds += time.monotonic() - self._started
         if self._quorum.healed:
             took = time.monotonic() - self._started
             self.healed.append({"step": self._received_step, "bytes": self._received,
