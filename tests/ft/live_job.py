@@ -19,8 +19,9 @@ something to the job meanwhile). ``--no-commit G:S``: group G takes its vote on 
 no, once, while the others commit it. ``--step-sleep S``: after each step every group
 writes its step to OUT/step.g<group> and sleeps S seconds (the test acts on a job under
 way). ``--quorum-every S``: the Trainer's own ``fault_tolerance.quorum_every_s``. Beside
-the final state, OUT/figures.g<group>.r<rank>.json holds the validation figures after the
-last step and how many quorums the process asked the lighthouse for.
+the final state, OUT/figures.g<group>.r<rank>.json holds the last epoch's train_loss, the
+validation figures after the last step and how many quorums the process asked the
+lighthouse for.
 """
 
 import argparse
@@ -143,9 +144,10 @@ if args.no_commit:
             return vote(replica)
         Replica.commit = commit_but_once
 (out / f"ready.g{group}.a{attempt}.r{rank}").write_text("")
-trainer.fit(build_data()[0])
+result = trainer.fit(build_data()[0])
 (out / f"figures.g{group}.r{rank}.json").write_text(json.dumps(
     {"quorums": trainer.live.quorums if trainer.live else None,
+     "train_loss": result.get("train_loss"),  # none when it healed at the last step
      "validation": trainer.validate(build_data()[1])}))
 torch.save({**full_state(trainer), "step": trainer.global_step},
            out / f"final.g{group}.r{rank}.pt")

@@ -117,20 +117,26 @@ def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
     assert "replica group 1: healed from a live group at step 6" in output
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
+    # The replacement took the survivor's loss sums with its state: the epoch's figure
+    # is DDP's in both groups.
+    assert figures(live, 0)["train_loss"] == figures(live, 1)["train_loss"] \
+        == figures(ddp_run(), 0)["train_loss"]
 
 
 def test_without_failures_the_groups_ask_the_lighthouse_once(tmp_path, ddp_run):
     """Every step commits with both groups in it, so each step after the first reuses the
     first quorum (no full quorum is due within the hour the Trainer sets): one quorum per
     group for the whole run, and both end bitwise equal to the 2-process DDP run. Each
-    group validates alone, in DDP's batches: the very figures DDP reports."""
+    group validates alone, in DDP's batches, and its train_loss covers every group's
+    losses (they travel with each step's average): the very figures DDP reports."""
     live = tmp_path / "live"
     output = _finish(_shoal_run(live, "--replica-groups", "2", job=("--quorum-every", "3600")))
     assert [figures(live, group)["quorums"] for group in (0, 1)] == [1, 1], output[-4000:]
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
-    assert figures(live, 0)["validation"] == figures(live, 1)["validation"] \
-        == figures(ddp_run(), 0)["validation"]
+    for figure in ("validation", "train_loss"):
+        assert figures(live, 0)[figure] == figures(live, 1)[figure] \
+            == figures(ddp_run(), 0)[figure], figure
 
 
 def _val_loss(model_state: dict) -> float:

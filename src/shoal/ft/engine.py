@@ -199,24 +199,27 @@ class Replica:
         """One process a group (its commit vote is its own)."""
         return self._alone
 
-    def average(self, tensors: Sequence[torch.Tensor], wire: torch.dtype | None = None
-                ) -> None:
+    def average(self, tensors: Sequence[torch.Tensor], wire: torch.dtype | None = None,
+                summed: int = 0) -> None:
         """Average ``tensors`` (flattened into one buffer) over the groups of this step; on
         a failure the step is marked as errored (``commit`` then says False).
 
         ``wire`` (float16, bfloat16): sent in that precision, divided by the groups before
         the sum as torch's compression hooks do inside a group (no overflow of the sum;
-        the very rounding of one process group of that many ranks)."""
+        the very rounding of one process group of that many ranks). The last ``summed``
+        elements (of the last tensors) are summed, not averaged."""
         if not tensors:
             return
         import torch
 
         flat = torch.cat([t.reshape(-1) for t in tensors])
+        averaged = flat.numel() - summed
         if wire is None:
             self._sum(flat)
-            flat /= self._participants
+            flat[:averaged] /= self._participants
         else:
-            sent = flat.to(wire).div_(self._participants)
+            sent = flat.to(wire)
+            sent[:averaged].div_(self._participants)
             self._sum(sent)
             flat = sent.to(flat.dtype)
         offset = 0

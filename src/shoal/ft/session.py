@@ -94,6 +94,9 @@ class LiveSession:
         self._quorum: Quorum | None = None  # the quorum of the step under way
         self._steady = False  # the next step reuses the last quorum (see _average)
         self._asked = False  # a group asked for a full quorum in the step's average
+        self.step_losses: tuple[float, int] = (0.0, 0)
+        """The last step's losses of this rank and the same rank of every other group: their
+        sum (float64) and micro-batches (see ``end_step``)."""
         self._full_at = 0.0  # when this group last asked the lighthouse
         self.quorums = 0
         """Quorums this process asked the lighthouse for, for its steps (not reused)."""
@@ -109,8 +112,9 @@ class LiveSession:
         # 'exact' under powersgd, topk: rounds of the compression state, and a log.
         self._logged = self._exact and private is not None and not periodic
         self._every = place.config.compression_state_every
-        self._log: list[torch.Tensor] = []  # the averaged gradients since the round
-        self._replay: list[torch.Tensor] = []  # the logged steps this group redoes alone
+        # The averaged gradients since the round, with each step's losses of every group.
+        self._log: list[tuple[torch.Tensor, tuple[float, int]]] = []
+        self._replay: list[tuple[torch.Tensor, tuple[float, int]]] = []  # redone alone
         self._kept: dict | None = None  # this rank's private state as the step began
         self._pending: dict | None = None  # the state a round keeps if this step commits
         self._gathered: tuple | None = None  # every group's private state, with it
@@ -239,19 +243,23 @@ class LiveSession:
                         "one)") from None
                 time.sleep(0.2)
 
-    def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int) -> bool:
+    def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int,
+                 losses: tuple[float, int] = (0.0, 0)) -> bool:
         """Average ``grads`` over the groups of the step and vote; True: apply the step.
-        ``samples``: this group's samples in the step (what a missing group skipped)."""
+        ``samples``: this group's samples in the step (what a missing group skipped);
+        ``losses``: this rank's loss sum in the step and its micro-batches, whose sum with
+        the other groups' travels with the average (``step_losses``)."""
         if self._replay:  # a logged step redone alone: the others' mean, as it was
-            _unflatten(self._replay.pop(0), grads)
+            flat, self.step_losses = self._replay.pop(0)
+            _unflatten(flat, grads)
             return True
         quorum, self._quorum = self._quorum, None
         self._steady = False  # until this step commits with every group in it
         with heartbeat.waiting():  # each wait for the other groups has its own deadline
             if self._logged:
-                self._average_logged(grads)
+                self._average_logged(grads, losses)
             else:
-                self._average(grads)
+                self._average(grads, losses)
             committed = self.replica.commit()
         if self._logged:
             self._log_step(grads if committed else None)
@@ -280,7 +288,8 @@ class LiveSession:
                          skipped_samples=self.skipped_samples)
         return True
 
-    def _average(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _average(self, tensors: Sequence[torch.Tensor],
+                 losses: tuple[float, int] = (0.0, 0)) -> None:
         """The mean over the groups of the step, with one more number: whether a group asks
         for a full quorum before the next step.
 
@@ -291,19 +300,30 @@ class LiveSession:
         lighthouse (a replacement heals there). A group asks for a full quorum at least
         every ``quorum_every_s``, so that a lighthouse that is gone is noticed, and always
         when its group has several processes (whose vote is taken by its manager); all see
-        the same sum, so every group holds the next quorum, or none."""
+        the same sum, so every group holds the next quorum, or none.
+
+        ``losses`` (this rank's loss sum in the step, float64, and its micro-batches) are
+        summed with the other groups' in the same collective: each group's sum in slots of
+        its own (three float32 parts, exact), so every group reads every group's."""
         due = (not self.replica.alone
                or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
-        ask = torch.tensor([float(due)], dtype=tensors[0].dtype if tensors else torch.float32)
-        self.replica.average([*tensors, ask], self._wire)
-        self._asked = float(ask) > 0
+        groups, group = self.place.groups, self.place.group
+        tail = torch.zeros(3 * groups + 2, dtype=torch.float64)
+        tail[3 * group:3 * group + 3] = torch.tensor(_parts(losses[0]), dtype=torch.float64)
+        tail[-2:] = torch.tensor([float(losses[1]), float(due)], dtype=torch.float64)
+        sent = tail.to(tensors[0].dtype if tensors else torch.float32)
+        self.replica.average([*tensors, sent], self._wire, summed=sent.numel())
+        got = sent.double()
+        self.step_losses = (sum(float(v) for v in got[:3 * groups]), round(float(got[-2])))
+        self._asked = float(got[-1]) > 0
 
-    def _average_logged(self, grads: Sequence[torch.Tensor]) -> None:
+    def _average_logged(self, grads: Sequence[torch.Tensor],
+                        losses: tuple[float, int]) -> None:
         """The mean with two flags: this group brings its step (every group must, or none
         commits: a commit vote is taken inside each group), and it hands over its
         compression state in this step (then every group does)."""
         flags = torch.tensor([1.0, float(self._pending is not None)], dtype=grads[0].dtype)
-        self._average([*grads, flags])
+        self._average([*grads, flags], losses)
         self._gathered = (self._gather(self._serialized(self._kept)) if flags[1] > 0
                           else None)
         if round(float(flags[0]) * self.place.groups) < self.place.groups:
@@ -315,7 +335,8 @@ class LiveSession:
         if grads is not None:
             if self._pending is not None and self._gathered is not None:
                 self.round, self._rows, self._log = self._pending, self._gathered, []
-            self._log.append(torch.cat([g.reshape(-1) for g in grads]).cpu())
+            self._log.append((torch.cat([g.reshape(-1) for g in grads]).cpu(),
+                              self.step_losses))
         self._pending = self._gathered = None
 
     def finish(self) -> None:
@@ -458,6 +479,16 @@ class LiveSession:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(self.leaving)
+
+
+def _parts(value: float) -> tuple[float, float, float]:
+    """``value`` (float64) as three float32 numbers whose sum in float64 is ``value``
+    (exact for losses of 1e-20 and up)."""
+    import numpy as np
+
+    high = float(np.float32(value))
+    middle = float(np.float32(value - high))
+    return high, middle, float(np.float32(value - high - middle))
 
 
 def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

@@ -39,7 +39,7 @@ from shoal.parallel.zero import gather_optimizer_state, is_zero, load_optimizer_
 # layers: up to remote/, which imports nothing of training: checkpoints hold a tier's state
 from shoal.remote.module import remote_modules
 from shoal.training.config import TrainerConfig
-from shoal.training.epoch_loss import Carried, EpochLoss
+from shoal.training.epoch_loss import Carried, EpochLoss, per_step
 from shoal.training.harness import Harness
 
 if TYPE_CHECKING:
@@ -125,7 +125,8 @@ class Checkpointing:
                 "consumed": consumed, "batch_size": c.batch_size,
                 # Every rank's so far (a collective): a resumed epoch reports the whole.
                 "epoch_loss": [*t.epoch_loss.totals(t.harness.world_size),
-                               t.harness.world_size * t.accumulate],
+                               per_step(t.harness.world_size, t.harness.replica_groups[0],
+                                        t.accumulate)],
                 "global_batch": t.harness.data_ranks * c.batch_size * t.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
                 "run_config": t.run_config, "tracking": t.tracking,

@@ -13,8 +13,10 @@ rank adds, stays under 2**29 (losses from 0.001 to 10 over 30,000 micro-batches)
 figure is bitwise the one of the run without the stop; beyond, its last bits may differ.
 
 In a live job a step that does not commit is done again: its losses are taken back
-(``mark`` before the step, ``rewind``). A replacement group that heals counts from the step
-it joins at: its figure covers its own steps.
+(``mark`` before the step, ``rewind``). Each step's losses travel with its average across
+the replica groups (``step_sum``, then ``take_step``), so that rank r of every group holds
+the sums of rank r of all groups, the figure DDP over all of them reports; a replacement
+that heals takes a live group's sums with its state.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+
+def per_step(world_size: int, replica_groups: int, accumulate: int) -> int:
+    """Micro-batches a step adds to the sums over the ranks: every group's, in a live job
+    (its steps' losses travel with the average across groups)."""
+    return world_size * replica_groups * accumulate
 
 
 class Carried(NamedTuple):
@@ -47,14 +55,43 @@ class EpochLoss:
         self.sum = torch.full((), total, device=device, dtype=torch.float64)
         self.batches = batches
         self._marked: tuple[torch.Tensor, int] | None = None
+        self._step: torch.Tensor | None = None  # a live step's own losses since mark
 
     def add(self, loss: torch.Tensor) -> None:
         self.sum += loss.detach()
         self.batches += 1
+        if self._step is not None:
+            self._step += loss.detach()
 
     def mark(self) -> None:
-        """Remember the sums here: a step that does not commit goes back to them."""
+        """Remember the sums here: a step that does not commit goes back to them. (A live
+        step: its own losses are summed apart too, see ``step_sum``.)"""
         self._marked = (self.sum.clone(), self.batches)
+        self._step = torch.zeros((), device=self.sum.device, dtype=torch.float64)
+
+    def step_sum(self) -> tuple[float, int]:
+        """This rank's losses since ``mark`` (float64) and their micro-batches."""
+        assert self._marked is not None and self._step is not None  # after mark
+        return float(self._step), self.batches - self._marked[1]
+
+    def take_step(self, total: float, batches: int) -> None:
+        """The step's losses of every group (the same rank of each): the sums at ``mark``
+        plus these, in place of this group's own."""
+        assert self._marked is not None  # after mark
+        self.sum.copy_(self._marked[0] + total)
+        self.batches = self._marked[1] + batches
+
+    def state(self) -> list:
+        """[sum, batches]: what a replacement group takes over."""
+        return [float(self.sum), self.batches]
+
+    @classmethod
+    def taken_over(cls, device: torch.device, state: list) -> EpochLoss:
+        """A live group's sums (see ``state``), with nothing marked."""
+        loss = cls(device)
+        loss.sum.fill_(state[0])
+        loss.batches = int(state[1])
+        return loss
 
     def rewind(self) -> None:
         """Back to the sums at the last ``mark`` (none: as they are)."""

@@ -37,6 +37,7 @@ from shoal.training.checkpointing import (
     load_model_and_optimizer_state,
     model_and_optimizer_state,
 )
+from shoal.training.epoch_loss import EpochLoss
 from shoal.training.harness import seed_everything
 
 Trainer = Any  # a shoal.Trainer (not imported: its module imports this one)
@@ -101,6 +102,7 @@ def live_state(t: Trainer) -> dict[str, Any]:
             "lr_scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler else None,
             "global_step": t.global_step, "epoch": t.epoch, "position": t.step_position,
             "accumulate": t.accumulate, "skipped_steps": list(t.skipped_steps),
+            "epoch_loss": t.epoch_loss.state(),
             **({"comm": t.harness.comm.state_dict()} if _periodic(t) else {})}
 
 
@@ -133,6 +135,7 @@ def load_live_state(t: Trainer, state: dict[str, Any]) -> None:
     t.global_step, t.epoch, t.step_position = (state["global_step"], state["epoch"],
                                                state["position"])
     t.accumulate = state["accumulate"]
+    t.epoch_loss = EpochLoss.taken_over(t.harness.device, state["epoch_loss"])
     t.skipped_steps = list(state["skipped_steps"])
     if "comm" in state:
         t.harness.comm.load_state_dict(state["comm"])
@@ -173,9 +176,10 @@ def end_step(t: Trainer, window_samples: int | None) -> None:
         return
     if not t.live.end_step(gradients(t.model),
                            (window_samples or 0) // t.harness.replica_groups[0],
-                           t.global_step):
+                           t.global_step, t.epoch_loss.step_sum()):
         t.optimizer.zero_grad(set_to_none=True)
         raise Redo()
+    t.epoch_loss.take_step(*t.live.step_losses)  # every group's, as DDP over them sums
 
 
 def seed_step(t: Trainer) -> None:

@@ -43,7 +43,7 @@ from shoal.training.batches import (
 )
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
-from shoal.training.epoch_loss import Carried, EpochLoss
+from shoal.training.epoch_loss import Carried, EpochLoss, per_step
 from shoal.training.evaluation import validate
 from shoal.training.harness import Harness, seed_everything
 from shoal.training.live import begin_step, check_loader, end_step, open_live
@@ -319,7 +319,8 @@ class Trainer:
             self.epoch_loss.rewind()
         else:  # a checkpoint's sums so far count once, on rank 0, and only mid-epoch
             self.epoch_loss = EpochLoss(h.device, carried if consumed and h.rank == 0
-                                        else None, per_step=h.world_size * k)
+                                        else None,
+                                        per_step=per_step(h.world_size, h.replica_groups[0], k))
         micro_batches = samples = 0
         step_loss: torch.Tensor | int  # a tensor once the window's first loss is added
         traffic = h.traffic
