@@ -308,14 +308,13 @@ class LiveSession:
         due = (not self.replica.alone
                or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
         groups, group = self.place.groups, self.place.group
-        tail = torch.zeros(3 * groups + 2, dtype=torch.float64)
-        tail[3 * group:3 * group + 3] = torch.tensor(_parts(losses[0]), dtype=torch.float64)
-        tail[-2:] = torch.tensor([float(losses[1]), float(due)], dtype=torch.float64)
-        sent = tail.to(tensors[0].dtype if tensors else torch.float32)
-        self.replica.average([*tensors, sent], self._wire, summed=sent.numel())
-        got = sent.double()
-        self.step_losses = (sum(float(v) for v in got[:3 * groups]), round(float(got[-2])))
-        self._asked = float(got[-1]) > 0
+        tail = [0.0] * (3 * groups) + [float(losses[1]), float(due)]
+        tail[3 * group:3 * group + 3] = _parts(losses[0])
+        sent = torch.tensor(tail, dtype=tensors[0].dtype if tensors else torch.float32)
+        self.replica.average([*tensors, sent], self._wire, summed=len(tail))
+        got = sent.tolist()
+        self.step_losses = (sum(got[:3 * groups]), round(got[-2]))
+        self._asked = got[-1] > 0
 
     def _average_logged(self, grads: Sequence[torch.Tensor],
                         losses: tuple[float, int]) -> None:
