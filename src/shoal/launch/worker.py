@@ -100,31 +100,30 @@ def _leave_pid() -> None:
 
 
 def _record(exc: BaseException) -> None:
-    """Write ``exc`` to the error file the launcher's failure summary reads.
+    """Write ``exc`` to the error file the launcher's failure summary reads, in the layout
+    torch's ErrorHandler writes and torch's launcher reads.
 
-    With torch imported (a forked worker, or a script that imported it), torch's own
-    ErrorHandler writes it. A script that never imported torch is not made to pay for that
-    import (over a second) to report its failure: the same record is written here, in the
-    layout ErrorHandler writes and torch's launcher reads.
+    Written whole or not at all (a temporary file, then renamed): a rank that fails while
+    the agent is stopping the others can be killed mid-write, and torch's agent, reading an
+    empty error file, stops with a JSONDecodeError instead of reporting the failure (seen
+    once under load, with every rank raising at once). Written here also when torch is
+    imported, whose ErrorHandler writes in place; a script that never imported torch is not
+    made to pay for that import (over a second) to report its failure.
     """
+    import json
     import traceback
 
-    if "torch" in sys.modules:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(exc)
-        return
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     record = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
         "py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         "timestamp": str(int(time.time()))}}}
-    import json
-
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as f:
+        with open(partial, "w") as f:
             json.dump(record, f)
+        os.replace(partial, path)
     except OSError:
         pass  # the launcher then tells the failure by the exit status
 
