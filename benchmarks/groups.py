@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from recovery import _steps as _rows  # every committed step: (time, step, group, pid)
+
 JOB = str(Path(__file__).with_name("recovery.py"))
 
 
@@ -40,18 +42,6 @@ def _start(out: Path, flags: list[str], steps: int, restarts: int = 0) -> subpro
         [sys.executable, "-m", "shoal", "run", *flags, "--max-restarts", str(restarts), JOB,
          "--job", str(out), "--steps", str(steps), "--schedule", "[]"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _rows(out: Path) -> list[tuple[float, int, int, int]]:
-    """Every committed step: (time, step, group, pid), in time order."""
-    rows = []
-    for path in out.glob("steps.*"):
-        _, slot, pid = path.name.split(".")
-        for line in path.read_text().split("\n"):
-            if line:
-                t, step = line.split()
-                rows.append((float(t), int(step), int(slot), int(pid)))
-    return sorted(rows)
 
 
 def _median_step(rows: list[tuple[float, int, int, int]]) -> float:

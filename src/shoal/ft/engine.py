@@ -215,12 +215,12 @@ class Replica:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         averaged = flat.numel() - summed
         if wire is None:
-            self._sum(flat)
+            self.sum(flat)
             flat[:averaged] /= self._participants
         else:
             sent = flat.to(wire)
             sent[:averaged].div_(self._participants)
-            self._sum(sent)
+            self.sum(sent)
             flat = sent.to(flat.dtype)
         offset = 0
         for t in tensors:
@@ -228,15 +228,10 @@ class Replica:
             offset += t.numel()
 
     def sum(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` (any dtype) over the groups of this step, in place; on a failure
-        the step is marked as errored."""
-        self._sum(tensor)
-
-    def _sum(self, tensor: torch.Tensor) -> None:
-        """The sum over the groups in place, on the process group the quorum configured
-        (what the manager's allreduce does, without its futures and timers: a gloo
-        collective has its own deadline). After a failure the step is marked as errored,
-        and later collectives of the step are skipped."""
+        """Sum ``tensor`` (any dtype) over the groups of this step, in place, on the process
+        group the quorum configured (what the manager's allreduce does, without its futures
+        and timers: a gloo collective has its own deadline). After a failure the step is
+        marked as errored, and later collectives of the step are skipped."""
         from torch.distributed import AllreduceOptions, ReduceOp
 
         m = self._manager

@@ -28,9 +28,7 @@ def validate(t: Trainer, val_data: Dataset | DataLoader) -> dict[str, float]:
     # A live group adds every group's share in the order DDP's sum over ranks does.
     totals = torch.zeros(4, device=h.device, dtype=torch.float64)
     for share in h.validation_shares():
-        loader = h.setup_dataloader(val_data, t.config.batch_size, evaluation=True,
-                                    num_workers=t.config.num_workers, share=share)
-        totals += _share_totals(t, module, loader)
+        totals += _share_totals(t, module, t._loader(val_data, evaluation=True, share=share))
     module.train(was_training)
     if h.world_size > 1:
         torch.distributed.all_reduce(totals)

@@ -168,10 +168,11 @@ class Trainer:
         """What model state is read from and loaded into (a wrapper, or a stage)."""
         return self.model.stage if isinstance(self.model, PipelineModel) else self.model
 
-    def _loader(self, data: Dataset | DataLoader, evaluation: bool) -> DataLoader:
+    def _loader(self, data: Dataset | DataLoader, evaluation: bool,
+                share: int | None = None) -> DataLoader:
         return self.harness.setup_dataloader(data, self.config.batch_size, shuffle=True,
                                              evaluation=evaluation,
-                                             num_workers=self.config.num_workers)
+                                             num_workers=self.config.num_workers, share=share)
 
     def fit(self, train_data: Dataset | DataLoader, val_data: Dataset | DataLoader | None = None,
             epochs: int | None = None, max_steps: int | None = None) -> dict[str, float]:
