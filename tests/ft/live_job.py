@@ -2,7 +2,7 @@
 
     live_job.py OUT STEPS [--kill GROUP:STEP[:SIGNAL[:RANK]]]... [--pace STEP:SECONDS]
                 [--hold STEP] [--checkpoints DIR] [--metrics DIR] [--strategy S]
-                [--compression C] [--period H]
+                [--compression C] [--period H] [--backend gloo|nccl]
 
 Every worker writes its pid per attempt (OUT/pid.g<group>.a<attempt>.r<rank>) and, at the
 end, the whole model and optimizer state keyed by name, the same under every strategy
@@ -64,11 +64,12 @@ parser.add_argument("--compression", default="none", help="a name, or its settin
 parser.add_argument("--period", type=int, default=None, help="of local_sgd or diloco")
 parser.add_argument("--quorum-every", type=float, default=None,
                     help="the Trainer's fault_tolerance.quorum_every_s")
+parser.add_argument("--backend", default="gloo", help="inside each group (nccl: on the GPU)")
 parser.add_argument("--no-commit", default=None,
                     help="G:S: group G's vote on step S says no, once (the others commit)")
 args = parser.parse_args()
 out = Path(args.out)
-shoal.init("gloo")
+shoal.init(args.backend)
 group = int(os.environ.get("SHOAL_FT_GROUP", "0"))
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 rank = shoal.rank()

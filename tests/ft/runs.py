@@ -72,8 +72,9 @@ def start_piped(cmd: list[str]) -> subprocess.Popen | zygote.Forked:
 
 
 def final(out: Path, group: int = 0, rank: int = 0) -> dict:
-    """What rank ``rank`` of group ``group`` saved at the end (model, optimizer, step)."""
-    return torch.load(out / f"final.g{group}.r{rank}.pt")
+    """What rank ``rank`` of group ``group`` saved at the end (model, optimizer, step), on
+    the CPU."""
+    return torch.load(out / f"final.g{group}.r{rank}.pt", map_location="cpu")
 
 
 def figures(out: Path, group: int = 0, rank: int = 0) -> dict:

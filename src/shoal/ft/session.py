@@ -186,7 +186,8 @@ class LiveSession:
         self._quorum = None
         assert self._blank is not None  # a live job always gives it
         zeros = self._blank()
-        flags = torch.zeros(2, dtype=zeros[0].dtype if zeros else torch.float32)
+        flags = torch.zeros(2, dtype=zeros[0].dtype if zeros else torch.float32,
+                            device=zeros[0].device if zeros else None)
         with heartbeat.waiting():
             self._average([*zeros, flags])
             if flags[1] > 0:  # the others hand over their compression state in this step
@@ -310,7 +311,8 @@ class LiveSession:
         groups, group = self.place.groups, self.place.group
         tail = [0.0] * (3 * groups) + [float(losses[1]), float(due)]
         tail[3 * group:3 * group + 3] = _parts(losses[0])
-        sent = torch.tensor(tail, dtype=tensors[0].dtype if tensors else torch.float32)
+        sent = torch.tensor(tail, dtype=tensors[0].dtype if tensors else torch.float32,
+                            device=tensors[0].device if tensors else None)  # one buffer
         self.replica.average([*tensors, sent], self._wire, summed=len(tail))
         got = sent.tolist()
         self.step_losses = (sum(got[:3 * groups]), round(got[-2]))
@@ -321,7 +323,8 @@ class LiveSession:
         """The mean with two flags: this group brings its step (every group must, or none
         commits: a commit vote is taken inside each group), and it hands over its
         compression state in this step (then every group does)."""
-        flags = torch.tensor([1.0, float(self._pending is not None)], dtype=grads[0].dtype)
+        flags = torch.tensor([1.0, float(self._pending is not None)], dtype=grads[0].dtype,
+                             device=grads[0].device)
         self._average([*grads, flags], losses)
         self._gathered = (self._gather(self._serialized(self._kept)) if flags[1] > 0
                           else None)
