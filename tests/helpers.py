@@ -11,9 +11,15 @@ import sys
 import psutil
 import torch
 
+from shoal.launch.worker_start import FORK_FIRST_ENV
 from tests import zygote
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FORKED_FIRST = {FORK_FIRST_ENV: "1"}
+"""``env`` of a `shoal run` of one of the tests' own jobs, where how a script starts is not
+what the test checks: the first attempt's workers are forked from the preloaded server too,
+as every later attempt's are (about 2 s of CPU less a worker). The tests of the launcher
+itself start them as commands, as `shoal run` does for a user's script."""
 
 
 def run_shoal(*args: str, cwd: str | None = None, timeout: float = 120,

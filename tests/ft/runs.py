@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tests import zygote
-from tests.helpers import popen_shoal, states_equal
+from tests.helpers import FORKED_FIRST, popen_shoal, states_equal
 
 JOB = str(Path(__file__).with_name("live_job.py"))
 TIMEOUT = 240
@@ -66,7 +66,8 @@ def start_piped(cmd: list[str]) -> subprocess.Popen | zygote.Forked:
     reads no further than the line, so that ``communicate`` then reads all the rest.
     A `python -m shoal` command is forked by the tests' zygote where there is one."""
     if cmd[1:3] == ["-m", "shoal"]:
-        return popen_shoal(*cmd[3:], cwd=os.getcwd(), stderr_to_stdout=True)
+        return popen_shoal(*cmd[3:], cwd=os.getcwd(), stderr_to_stdout=True,
+                           env=FORKED_FIRST)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.checkpoint.test_resume import JOB
-from tests.helpers import run_shoal, states_equal
+from tests.helpers import FORKED_FIRST, run_shoal, states_equal
 
 OPTIONS = {
     "powersgd": {"compression": {"name": "powersgd", "warmup_steps": 2}},
@@ -29,12 +29,12 @@ def test_kill_and_resume_is_exact(tmp_path, option):
     straight.mkdir()
     killed.mkdir()
     out = run_shoal("run", "--nproc-per-node", "2", JOB, str(straight), "--no-checkpoints",
-                    *common)
+                    *common, env=FORKED_FIRST)
     assert out.returncode == 0, out.stderr[-3000:]
     # Rank 1 dies after step 10; the restart resumes from step 8, mid-period for the
     # averaging strategies (period 3) and with the compression's state in flight.
     out = run_shoal("run", "--nproc-per-node", "2", "--max-restarts", "1", JOB, str(killed),
-                    "--kills", json.dumps([[1, 10, "step"]]), *common)
+                    "--kills", json.dumps([[1, 10, "step"]]), *common, env=FORKED_FIRST)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (killed / "samples_attempt1.json").exists(), "the run was not restarted"
     for rank in range(2):

@@ -120,6 +120,10 @@ class AgentOptions:
         return {int(rank) for rank in self.local_ranks_filter.split(",")}
 
 
+OUR_ENTRIES = frozenset({"shoal.launch.train_entry", "shoal.launch.rl_entry"})
+"""The worker entries of `shoal train` and `shoal rl`."""
+
+
 @dataclass
 class LaunchSpec:
     """What to run and on how many processes; read once from the command line."""
@@ -236,6 +240,13 @@ class LaunchSpec:
     def live(self) -> bool:
         """Live recovery: replica groups instead of restarts of every worker."""
         return self.fault_tolerance is not None and self.fault_tolerance.live
+
+    @property
+    def ours(self) -> bool:
+        """The workers run shoal's own entry (`shoal train`, `shoal rl`), not a user's
+        script: nothing of the user's runs before torch is imported, so the first attempt's
+        workers are forked from the preloaded server too (shoal.launch.worker_start)."""
+        return self.module and self.entry in OUR_ENTRIES
 
     @property
     def elastic(self) -> bool:

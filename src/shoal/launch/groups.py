@@ -1,18 +1,17 @@
 """Live mode on one machine: the job as replica groups, each its own elastic agent with its
 own workers and restarts, meeting at a lighthouse this launcher starts and stops.
 
-Each group is a plain `shoal run` of one group (started here as a child process), told its
-place by ``ReplicaPlace.environ()``. A group whose restarts are used up is lost for good:
-under 'exact' the others cannot go on without it and are stopped; under 'available' they
-go on. Across machines (launch/live_nodes.py) each node's launcher runs its own share of
-the groups the same way (``GroupSet``).
+Each group is a plain `shoal run` of one group (a child forked from this launcher,
+shoal.launch.forked_command), told its place by ``ReplicaPlace.environ()``. A group whose
+restarts are used up is lost for good: under 'exact' the others cannot go on without it and
+are stopped; under 'available' they go on. Across machines (launch/live_nodes.py) each
+node's launcher runs its own share of the groups the same way (``GroupSet``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from shoal.ft import FaultToleranceConfig, ReplicaPlace
 from shoal.ft.lighthouse import Lighthouse, answers, start_lighthouse
 from shoal.launch.config import LaunchSpec
+from shoal.launch.forked_command import ForkedCommand
 from shoal.launch.ports import free_port
 from shoal.launch.worker_start import FORK_FIRST_ENV
 
@@ -50,8 +50,9 @@ class GroupSet:
 
 
 def _group_command(spec: LaunchSpec, group: int, host: str) -> list[str]:
+    """The group's `shoal run`, after ``shoal``."""
     # --master-addr: the group's store is where the other groups' process group meets it.
-    argv = [sys.executable, "-m", "shoal", "run", "--nproc-per-node", str(spec.nproc_per_node),
+    argv = ["run", "--nproc-per-node", str(spec.nproc_per_node),
             "--master-addr", host,
             "--max-restarts", str(spec.max_restarts),
             "--hang-timeout", str(spec.hang_timeout or 0)]
@@ -116,7 +117,7 @@ class _GroupJob:
                  lighthouse: Lighthouse | None, groups: GroupSet):
         self.spec, self.config, self.address, self.lighthouse = spec, config, address, lighthouse
         self.groups = groups
-        self.children: list[subprocess.Popen] = []
+        self.children: list[ForkedCommand] = []
         self.stopping: list[int] = []
         # Policy exact: a group lost for good makes every group start again from the last
         # checkpoint, once (today's restart, for the whole job). Across machines this
@@ -126,7 +127,7 @@ class _GroupJob:
     def start(self) -> None:
         g = self.groups
         self.children = [
-            subprocess.Popen(_group_command(self.spec, group, g.host), env={
+            ForkedCommand(_group_command(self.spec, group, g.host), env={
                 **os.environ, FORK_FIRST_ENV: "1",
                 **ReplicaPlace(group, g.total, self.address, self.config, g.host).environ()})
             for group in g.indices]
