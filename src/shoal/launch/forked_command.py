@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import runpy
 import signal
 import sys
 import traceback
@@ -65,9 +66,8 @@ def _become(argv: list[str], env: dict[str, str]) -> NoReturn:
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [sys.argv[0], *argv]
-        from shoal.cli.main import main
-
-        code = main(argv)
+        runpy.run_module("shoal", run_name="__main__", alter_sys=True)  # python -m shoal
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
         if not isinstance(exc.code, (int, type(None))):

@@ -36,7 +36,6 @@ def _remote_tier(config: RunConfig) -> contextlib.AbstractContextManager:
 
 
 def _train(config: RunConfig) -> dict[str, float]:
-    from shoal.runtime import dist as rt
     from shoal.training.trainer import Trainer
 
     model = build(config.model)
@@ -54,7 +53,7 @@ def _train(config: RunConfig) -> dict[str, float]:
                       **config.trainer.model_dump(exclude={"fault_tolerance"}))
     trainer.run_config = config.model_dump(mode="json")
     metrics = trainer.fit(train_data, val_data)
-    if rt.is_main():
+    if trainer.reports:
         assert config.run.dir is not None  # the loader sets it
         path = Path(config.run.dir) / "metrics.json"
         path.write_text(json.dumps(metrics, indent=2))

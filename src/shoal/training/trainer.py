@@ -164,6 +164,12 @@ class Trainer:
         return getattr(self.model, "module", self.model)
 
     @property
+    def reports(self) -> bool:
+        """This process shows the run's progress and end lines: rank 0, of the group that
+        writes for all in live mode (every group reports the same figures)."""
+        return self.harness.is_main and (self.live is None or self.live.writes)
+
+    @property
     def state_model(self) -> nn.Module:
         """What model state is read from and loaded into (a wrapper, or a stage)."""
         return self.model.stage if isinstance(self.model, PipelineModel) else self.model
@@ -221,7 +227,7 @@ class Trainer:
                                                          keep_last=c.keep_last)
             consumed, self._carried_loss = reader.resume(c.resume)
         progress = Progress(self._total_steps(loader, epochs, max_steps),
-                            enabled=c.progress and self.harness.is_main)
+                            enabled=c.progress and self.reports)
         metrics: dict[str, float] = {}
         self._preemption = PreemptionWatch(self.harness.device) if self.checkpointing else None
         if self._preemption and self.live is not None:
