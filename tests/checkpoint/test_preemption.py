@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,7 +32,16 @@ def test_signal_saves_exits_and_resumes_exactly(tmp_path, sig):
         time.sleep(0.1)
     assert (run / "ready").exists(), "the job never got going"
     launcher.send_signal(sig)
-    _, err = launcher.communicate(timeout=STOP_S)
+    try:
+        _, err = launcher.communicate(timeout=STOP_S)
+    except subprocess.TimeoutExpired:  # a hang: say who is still there, then clean up
+        left = [(p.pid, " ".join(p.cmdline()[:4])) for p in processes_with(str(run))]
+        for process in processes_with(str(run)):
+            process.kill()
+        launcher.kill()
+        pytest.fail(f"the job did not end within {STOP_S} s of {sig.name}; launcher "
+                    f"{launcher.pid} {'ended' if launcher.poll() is not None else 'running'}"
+                    f", its workers still running: {left}")
     assert launcher.returncode == 128 + sig, err[-2000:]
     found = re.search(rf"preempted by {sig.name} at step (\d+)", err)
     assert found, err[-2000:]
