@@ -68,9 +68,10 @@ def _become(argv: list[str], env: dict[str, str]) -> NoReturn:
         sys.argv = [sys.argv[0], *argv]
         runpy.run_module("shoal", run_name="__main__", alter_sys=True)  # python -m shoal
         code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        if not isinstance(exc.code, (int, type(None))):
+    except SystemExit as exc:  # the status the interpreter would make of it
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
             print(exc.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
