@@ -24,12 +24,14 @@ itself start them as commands, as `shoal run` does for a user's script."""
 
 def run_shoal(*args: str, cwd: str | None = None, timeout: float = 120,
               env: dict | None = None, fork: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python -m shoal ARGS`` and capture its output.
+    """Run ``python -m shoal ARGS`` and capture its output. ``env``: variables set on top of
+    this process's (OMP_NUM_THREADS 1 unless given; None: unset).
 
     ``fork``: started by this test process's zygote (tests.zygote: forked from a process that
     has imported torch, which saves about 1.3 s of CPU a start) where there is one (Linux,
     and SHOAL_TEST_FORK is not 0), else as a new interpreter."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}.items()
+                if v is not None}
     command = [sys.executable, "-m", "shoal", *args]
     if not (fork and zygote.available()):
         return subprocess.run(command, cwd=cwd or REPO, capture_output=True, text=True,

@@ -18,12 +18,15 @@ from tests.helpers import processes_with, run_shoal
 SCRIPT = textwrap.dedent("""\
     import json, os, signal, sys, time
     preloaded = "torch._dynamo" in sys.modules  # before the script imported anything
+    import torch
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT",
             "SHOAL_TEST_MARK", "OMP_NUM_THREADS"]
     seen = {"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv,
             "cwd": os.getcwd(), "path0": sys.path[0], "preloaded": preloaded,
-            "parent": os.getppid(), "session": os.getsid(0) == os.getpid()}
+            "parent": os.getppid(), "session": os.getsid(0) == os.getpid(),
+            "threads": torch.get_num_threads(),
+            "parent_title": open(f"/proc/{os.getppid()}/cmdline").read().strip("\\0")}
     with open(os.path.join(sys.argv[1], f"seen_{attempt}_{os.environ['RANK']}"), "w") as f:
         json.dump(seen, f)
     if attempt == "0" and os.environ["RANK"] == "1":
@@ -40,12 +43,14 @@ def _restart_once(tmp_path, preload: bool) -> tuple:
     out.mkdir()
     script = tmp_path / "job_worker_start.py"
     # Variables elastic sets for each worker, already in the launcher's environment:
-    # elastic's values must win.
+    # elastic's values must win. No OMP_NUM_THREADS: the launcher sets it for its workers
+    # after it has imported torch (which reads it once, when imported), in a new interpreter.
     env = {"SHOAL_TEST_MARK": "from the launcher", "TORCHELASTIC_RESTART_COUNT": "7",
-           "GROUP_RANK": "5"}
+           "GROUP_RANK": "5", "OMP_NUM_THREADS": None}
     flags = [] if preload else ["--no-preload"]
     result = run_shoal("run", "--nproc-per-node", "2", "--max-restarts", "1", *flags,
-                       str(script), str(out), "rank${local_rank}", cwd=str(tmp_path), env=env)
+                       str(script), str(out), "rank${local_rank}", cwd=str(tmp_path), env=env,
+                       fork=False)
     return result, {p.name[len("seen_"):]: json.loads(p.read_text()) for p in out.iterdir()}
 
 
@@ -68,6 +73,9 @@ def test_a_restarted_worker_is_forked_and_sees_what_a_new_process_sees(tmp_path)
     assert not any(seen["preloaded"] for seen in command.values())
     assert len({forked[k]["parent"] for k in ("1_0", "1_1")}) == 1
     assert forked["1_0"]["parent"] != forked["0_0"]["parent"]
+    # That server serves the launcher (the first workers' parent), and says so.
+    launcher = forked["0_0"]["parent"]
+    assert forked["1_0"]["parent_title"] == f"shoal forkserver (serves pid {launcher})"
     for key, seen in forked.items():
         attempt, rank = key.split("_")
         assert seen["env"] == {
@@ -80,5 +88,6 @@ def test_a_restarted_worker_is_forked_and_sees_what_a_new_process_sees(tmp_path)
         assert seen["session"]  # a Ctrl-C in the terminal reaches only the launcher
         # The same as a worker started as a new process (but for the folder it writes to).
         assert seen["argv"][::2] == command[key]["argv"][::2]
-        for field in ("env", "cwd", "path0", "session"):
+        assert seen["threads"] == 1  # what the launcher set, as a new process reads it
+        for field in ("env", "cwd", "path0", "session", "threads"):
             assert seen[field] == command[key][field], field

@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         if extra:  # told by the subcommand's parser, which knows its flags
             parser.commands.get(args.command, parser).error(
                 f"unrecognized arguments: {' '.join(extra)}")
+    if program and args.command in ("run", "train", "rl"):
+        from shoal.cli.run import fork_server_ahead
+
+        fork_server_ahead(args)
     try:
         code = args.handler(args)
     except UsageError as exc:

@@ -19,6 +19,7 @@ from shoal.clusters.detect import ClusterEnv, detect
 from shoal.errors import UsageError
 from shoal.launch import LaunchSpec, launch
 from shoal.launch.config import resolve_nproc
+from shoal.launch.forkserver import fork_server_now
 
 if TYPE_CHECKING:
     from typing import TypedDict
@@ -294,6 +295,17 @@ def start(spec: LaunchSpec, cluster: ClusterEnv | None) -> int:
 
         run_in_place(spec, cluster)
     return launch(spec)
+
+
+def fork_server_ahead(args: argparse.Namespace) -> None:
+    """Fork the workers' server from this process now, before anything of the user's is
+    imported here (a config's modules): it has imported torch, so the server need not
+    (shoal.launch.forkserver.fork_server_now). Only for the `shoal` command itself (a
+    process that called ``main`` may run anything), and not for a job that starts no worker
+    from it: ``--no-preload``, ``--no-python``, or live mode's launcher of launchers."""
+    if getattr(args, "preload", False) and not getattr(args, "no_python", False) and \
+            getattr(args, "replica_groups", None) is None:
+        fork_server_now()
 
 
 def run_command(args: argparse.Namespace) -> int:

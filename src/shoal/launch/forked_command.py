@@ -22,6 +22,8 @@ import sys
 import traceback
 from typing import NoReturn
 
+from shoal.launch.forkserver import drop_server
+
 
 class ForkedCommand:
     """``shoal ARGV`` in a child forked now, with the environment ``env``."""
@@ -65,6 +67,7 @@ def _become(argv: list[str], env: dict[str, str]) -> NoReturn:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(env)
+        drop_server()  # its parent's: this command makes its own
         sys.argv = [sys.argv[0], *argv]
         runpy.run_module("shoal", run_name="__main__", alter_sys=True)  # python -m shoal
         code = 0

@@ -19,12 +19,9 @@ preloads; a worker forked from it names itself anew (shoal.launch.worker).
 
 import atexit
 import os
-import signal
 import sys
 
-import setproctitle
-
-from shoal.launch.forkserver import STEP_SIGNALS
+from shoal.launch.forkserver import become_server_process
 
 _SERVER = os.getpid()
 
@@ -40,6 +37,4 @@ def _end_at_once() -> None:
 
 
 atexit.register(_end_at_once)
-for _signum in STEP_SIGNALS:
-    signal.signal(_signum, signal.SIG_IGN)
-setproctitle.setproctitle(f"shoal forkserver (serves pid {os.getppid()})")
+become_server_process()

@@ -19,6 +19,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from shoal.errors import UsageError
 from shoal.launch.config import AgentOptions, LaunchSpec
 from shoal.launch.forked import cancel_server_start, first_attempt_as
+from shoal.launch.forkserver import drop_server
 from shoal.launch.hangwatch import HangWatch
 from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
@@ -273,6 +274,8 @@ def quiet_torch_logs() -> None:
 
 def launch(spec: LaunchSpec) -> int:
     """Run the job described by ``spec``; return the launcher's exit code."""
+    if spec.live:
+        drop_server()  # each replica group's launcher forks its own
     if spec.live and spec.nnodes > 1:
         from shoal.launch.live_nodes import launch_live_nodes
 
@@ -287,6 +290,9 @@ def launch(spec: LaunchSpec) -> int:
     if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Several processes on one node would otherwise each start a thread per core.
         os.environ["OMP_NUM_THREADS"] = "1"
+    if spec.debug:
+        # torch checks every collective's fingerprint across ranks and names a mismatch.
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     nodes = _start_node_watch(spec)
     quiet_torch_logs()
     fresh_store_per_attempt(second_round_possible(spec))
@@ -295,9 +301,6 @@ def launch(spec: LaunchSpec) -> int:
     # A folder of its own for every launch, also inside a reused --log-dir, so that the
     # failure summary never reads an older job's error files.
     log_dir = _new_log_dir(spec.log_dir)
-    if spec.debug:
-        # torch checks every collective's fingerprint across ranks and names a mismatch.
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     watch = _start_hang_watch(spec, log_dir, nodes)
     relay = start_output_relay(spec, log_dir)
     restarts = RestartLog(log_dir, spec.max_restarts,

@@ -60,6 +60,11 @@ def worker_argv(spec: LaunchSpec) -> list[str]:
     return [*argv, spec.entry, *spec.args]
 
 
+def forks_workers(spec: LaunchSpec) -> bool:
+    """Whether any worker of ``spec`` is forked from the preloaded server."""
+    return not spec.no_python and spec.preload and start_method() == "forkserver"
+
+
 def worker_start(spec: LaunchSpec) -> WorkerStart:
     """Forked from the preloaded server where there is one and ``spec.preload``, else a
     command."""
@@ -67,7 +72,7 @@ def worker_start(spec: LaunchSpec) -> WorkerStart:
         return WorkerStart(shutil.which(spec.entry) or os.path.abspath(spec.entry),
                            tuple(spec.args), "spawn")
     argv = worker_argv(spec)[2:]  # what shoal.launch.worker itself is given
-    if spec.preload and start_method() == "forkserver":
+    if forks_workers(spec):
         # Not at the top: `python -m shoal.launch.worker` imports this package first, and
         # runpy warns of a module found imported before it runs.
         from shoal.launch.worker import run_forked
