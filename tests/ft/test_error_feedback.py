@@ -38,8 +38,9 @@ def test_replacement_redoes_its_steps_since_the_hand_over(runs, compression):
                job=f"{job} --kill 1:13")
     live, output = runs.wait(f"killed-{compression}")
     assert pids(live) == REPLACED_ONCE, output[-6000:]
-    assert "replica group 1: healed from a live group at step 10" in output
-    assert "replica group 1: redoes steps 11 to 13 alone while the other groups wait" in output
+    assert "replica group 1: healed from a live group at step 10" in output, output[-6000:]
+    assert "replica group 1: redoes steps 11 to 13 alone while the other groups wait" in \
+        output, output[-6000:]
     reference, _ = runs.wait(f"whole-{compression}")
     assert final(live)["step"] == STEPS
     assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))
