@@ -153,7 +153,9 @@ def _serve_when_woken(listener: socket.socket, alive_r: int, wake_r: int) -> NoR
         become_server_process()
 
         ready = select.select([listener.fileno(), alive_r, wake_r], [], [])[0]
-        if alive_r not in ready:  # else its starter ended without needing it
+        # Not woken by its starter ending or giving it up (its ends of both pipes close).
+        woken = listener.fileno() in ready or (wake_r in ready and os.read(wake_r, 1) != b"")
+        if woken and alive_r not in ready:
             os.close(wake_r)
             server: Any = forkserver._forkserver
             forkserver.main(listener.detach(), alive_r, server._preload_modules)
@@ -185,14 +187,17 @@ def drop_server() -> None:
     global _wake_fd
     from multiprocessing import forkserver
 
-    server: Any = forkserver._forkserver
     if _wake_fd is not None:
         os.close(_wake_fd)
         _wake_fd = None
+    _forget(forkserver._forkserver)
+
+
+def _forget(server: Any) -> None:
+    """Close this process's end of ``server``'s "alive" pipe and forget the server."""
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         os.close(server._forkserver_alive_fd)
-        server._forkserver_pid = server._forkserver_alive_fd = None
-        server._forkserver_address = None
+    server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
 
 
 def forget_ended_server() -> tuple[int, str] | None:
@@ -215,9 +220,7 @@ def forget_ended_server() -> tuple[int, str] | None:
         ended, status = pid, 0
     if not ended:
         return None
-    if server._forkserver_alive_fd is not None:
-        os.close(server._forkserver_alive_fd)
-    server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+    _forget(server)
     if os.WIFSIGNALED(status):
         return pid, f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
     return pid, f"ended with status {os.waitstatus_to_exitcode(status)}"
