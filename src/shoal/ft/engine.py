@@ -195,6 +195,11 @@ class Replica:
         self._manager._pg.abort(errored=False)
 
     @property
+    def participants(self) -> int:
+        """Replica groups taking part in the step under way (its quorum's)."""
+        return self._participants
+
+    @property
     def alone(self) -> bool:
         """One process a group (its commit vote is its own)."""
         return self._alone
@@ -246,6 +251,34 @@ class Replica:
         except Exception as exc:  # noqa: BLE001 - a lost group, a timeout: the step fails
             m.report_error(exc)
 
+    def start_sum(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """``sum``, started: the future's value is ``tensor``, summed in place once it is
+        done. It never fails: a failed sum marks the step as errored (its values are then
+        not used, as the step does not commit), so that a DDP hook never raises."""
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        m = self._manager
+        if m.errored():
+            return _done(tensor)
+        if not m.is_participating():
+            tensor.zero_()
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp(ReduceOp.SUM)
+        try:
+            started = m._pg.allreduce([tensor], options).get_future()
+        except Exception as exc:  # noqa: BLE001 - the process group is already gone
+            m.report_error(exc)
+            return _done(tensor)
+
+        def finished(future: torch.futures.Future) -> torch.Tensor:
+            try:
+                future.wait()
+            except Exception as exc:  # noqa: BLE001 - a lost group, a timeout
+                m.report_error(exc)
+            return tensor
+
+        return started.then(finished)
+
     def abstain(self) -> None:
         """Vote against committing the step under way (every group then does it again)."""
         self._manager.report_error(RuntimeError("a replica group is catching up"))
@@ -292,3 +325,11 @@ class Replica:
 
     def close(self) -> None:
         self._manager.shutdown(wait=False)
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    import torch
+
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future

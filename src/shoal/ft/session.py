@@ -39,6 +39,7 @@ from typing import cast
 
 import torch
 
+from shoal.ft.across import AcrossGroups
 from shoal.ft.config import ReplicaPlace
 from shoal.ft.engine import Quorum
 from shoal.runtime import heartbeat
@@ -94,6 +95,8 @@ class LiveSession:
         self._quorum: Quorum | None = None  # the quorum of the step under way
         self._steady = False  # the next step reuses the last quorum (see _average)
         self._asked = False  # a group asked for a full quorum in the step's average
+        # The step's numbers, summed in backward, or their sum under way (send_numbers).
+        self._sending: torch.Tensor | torch.futures.Future[torch.Tensor] | None = None
         self.step_losses: tuple[float, int] = (0.0, 0)
         """The last step's losses of this rank and the same rank of every other group: their
         sum (float64) and micro-batches (see ``end_step``)."""
@@ -247,6 +250,7 @@ class LiveSession:
     def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int,
                  losses: tuple[float, int] = (0.0, 0)) -> bool:
         """Average ``grads`` over the groups of the step and vote; True: apply the step.
+        (No ``grads``: they were averaged in backward, by DDP's hook.)
         ``samples``: this group's samples in the step (what a missing group skipped);
         ``losses``: this rank's loss sum in the step and its micro-batches, whose sum with
         the other groups' travels with the average (``step_losses``)."""
@@ -306,17 +310,36 @@ class LiveSession:
         ``losses`` (this rank's loss sum in the step, float64, and its micro-batches) are
         summed with the other groups' in the same collective: each group's sum in slots of
         its own (three float32 parts, exact), so every group reads every group's."""
+        sent = self._numbers(losses, tensors[0] if tensors else None)
+        if tensors:
+            self.replica.average([*tensors, sent], self._wire, summed=len(sent))
+        elif isinstance(self._sending, torch.Tensor):  # summed in backward (send_numbers)
+            sent, self._sending = self._sending, None
+        elif self._sending is not None:  # started before backward (send_numbers)
+            sent, self._sending = self._sending.wait(), None
+        else:
+            self.replica.sum(sent)
+        got = sent.tolist()
+        self.step_losses = (sum(got[:3 * self.place.groups]), round(got[-2]))
+        self._asked = got[-1] > 0
+
+    def send_numbers(self, losses: tuple[float, int], across: AcrossGroups) -> None:
+        """When the gradients cross the groups in backward (``across``), before the step's
+        last backward: the step's numbers (see ``_average``) go with the first bucket where
+        they can, else their sum starts now, while backward computes."""
+        numbers = self._numbers(losses, None)
+        self._sending = numbers if across.carry(numbers) else self.replica.start_sum(numbers)
+
+    def _numbers(self, losses: tuple[float, int], like: torch.Tensor | None) -> torch.Tensor:
+        """The step's numbers: each group's loss sum in slots of its own, the micro-batches,
+        and whether this group asks for a full quorum."""
         due = (not self.replica.alone
                or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
         groups, group = self.place.groups, self.place.group
         tail = [0.0] * (3 * groups) + [float(losses[1]), float(due)]
         tail[3 * group:3 * group + 3] = _parts(losses[0])
-        sent = torch.tensor(tail, dtype=tensors[0].dtype if tensors else torch.float32,
-                            device=tensors[0].device if tensors else None)  # one buffer
-        self.replica.average([*tensors, sent], self._wire, summed=len(tail))
-        got = sent.tolist()
-        self.step_losses = (sum(got[:3 * groups]), round(got[-2]))
-        self._asked = got[-1] > 0
+        return torch.tensor(tail, dtype=like.dtype if like is not None else torch.float32,
+                            device=like.device if like is not None else None)
 
     def _average_logged(self, grads: Sequence[torch.Tensor],
                         losses: tuple[float, int]) -> None:

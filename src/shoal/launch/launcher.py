@@ -274,6 +274,11 @@ def quiet_torch_logs() -> None:
 
 def launch(spec: LaunchSpec) -> int:
     """Run the job described by ``spec``; return the launcher's exit code."""
+    # Several processes on one node (a live job's groups too) would otherwise each start a
+    # thread per core.
+    local = spec.nproc_per_node * (spec.replica_groups if spec.live else 1)
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
     if spec.live:
         drop_server()  # each replica group's launcher forks its own
     if spec.live and spec.nnodes > 1:
@@ -287,9 +292,6 @@ def launch(spec: LaunchSpec) -> int:
     if spec.master_port is not None and spec.node_rank == 0 and _is_local(spec.master_addr):
         host = spec.master_addr if spec.master_addr != "localhost" else "127.0.0.1"
         check_port_free(host, spec.master_port)
-    if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # Several processes on one node would otherwise each start a thread per core.
-        os.environ["OMP_NUM_THREADS"] = "1"
     if spec.debug:
         # torch checks every collective's fingerprint across ranks and names a mismatch.
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"

@@ -69,10 +69,13 @@ class EpochLoss:
         self._marked = (self.sum.clone(), self.batches)
         self._step = torch.zeros((), device=self.sum.device, dtype=torch.float64)
 
-    def step_sum(self) -> tuple[float, int]:
-        """This rank's losses since ``mark`` (float64) and their micro-batches."""
+    def step_sum(self, coming: torch.Tensor | None = None) -> tuple[float, int]:
+        """This rank's losses since ``mark`` (float64) and their micro-batches, with the
+        loss ``coming`` (not added yet) when given."""
         assert self._marked is not None and self._step is not None  # after mark
-        return float(self._step), self.batches - self._marked[1]
+        if coming is None:
+            return float(self._step), self.batches - self._marked[1]
+        return float(self._step + coming.detach()), self.batches + 1 - self._marked[1]
 
     def take_step(self, total: float, batches: int) -> None:
         """The step's losses of every group (the same rank of each): the sums at ``mark``

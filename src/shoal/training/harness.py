@@ -32,6 +32,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 from shoal.data.sampler import ElasticSampler
 from shoal.data.sharding import EvalShardSampler, shard_dataloader
 from shoal.errors import UsageError
+from shoal.ft.across import apply_across_groups, averages_in_hook
 from shoal.parallel.activation_checkpoint import apply_activation_checkpointing
 from shoal.parallel.averaging import (
     DiLoCoConfig,
@@ -121,7 +122,10 @@ class Harness:
                  pipeline: PipelineConfig | dict | None = None,
                  tp_plan: dict | None = None,
                  activation_checkpointing: bool = False, blocks: list[str] | None = None,
-                 compile: bool = False, seed: int = 0):
+                 compile: bool = False, seed: int = 0, live: bool = False):
+        """``live``: this process is a replica group's, in a live job (the Trainer's, under
+        shoal's launcher): under ddp a group of one process averages across the groups
+        inside DDP's hook (``shoal.ft.across``)."""
         from shoal.training.config import TrainerConfig
 
         # Validate through the same schema as the Trainer, so both reject the same inputs.
@@ -155,6 +159,7 @@ class Harness:
         self.last_grad_norm: torch.Tensor | None = None
         # Live recovery: (count, index) of the replica groups whose data this job splits.
         self.replica_groups = (1, 0)
+        self.live = live
 
     @property
     def data_ranks(self) -> int:
@@ -265,7 +270,11 @@ class Harness:
             self.comm = ZeroTraffic(model, self.traffic)
         else:
             model = apply_ddp(model, self.device, c.ddp)
-            self.comm = apply_compression(model, c.compression, self.traffic, seed=c.seed)
+            if self.live and averages_in_hook(c.strategy, c.compression.name,
+                                              self.env.world_size):
+                self.comm = apply_across_groups(model, self.traffic, c.compression.name)
+            else:
+                self.comm = apply_compression(model, c.compression, self.traffic, seed=c.seed)
         if c.compile:  # after the wrapper: torch's DDP splits the graph at its buckets
             apply_compile(model)
         return model, optimizer

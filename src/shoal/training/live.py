@@ -31,8 +31,10 @@ from torch.utils.data import DataLoader
 from shoal.data.sharding import position_after
 from shoal.errors import UsageError
 from shoal.ft import ReplicaPlace
+from shoal.ft.across import AcrossGroups
 from shoal.ft.session import LiveSession, Redo
 from shoal.parallel.zero import is_zero, load_local_optimizer_state, local_optimizer_state
+from shoal.training.batches import loss_of
 from shoal.training.checkpointing import (
     load_model_and_optimizer_state,
     model_and_optimizer_state,
@@ -77,6 +79,8 @@ def open_live(trainer: Trainer) -> LiveSession | None:
         blank=lambda: [torch.zeros_like(g) for g in gradients(trainer.model, fill=False)])
     if periodic:
         h.comm.across = session.meet
+    if isinstance(h.comm, AcrossGroups):  # the gradients cross the groups in DDP's hook
+        h.comm.replica, h.comm.groups = session.replica, place.groups
     session.step_now = lambda: trainer.global_step
     return session
 
@@ -103,6 +107,8 @@ def live_state(t: Trainer) -> dict[str, Any]:
             "global_step": t.global_step, "epoch": t.epoch, "position": t.step_position,
             "accumulate": t.accumulate, "skipped_steps": list(t.skipped_steps),
             "epoch_loss": t.epoch_loss.state(),
+            # DDP's buckets: cut for good here (a replacement cuts its own alike, see settle)
+            "settled": isinstance(t.harness.comm, AcrossGroups) and t.harness.comm.settled,
             **({"comm": t.harness.comm.state_dict()} if _periodic(t) else {})}
 
 
@@ -139,6 +145,8 @@ def load_live_state(t: Trainer, state: dict[str, Any]) -> None:
     t.skipped_steps = list(state["skipped_steps"])
     if "comm" in state:
         t.harness.comm.load_state_dict(state["comm"])
+    if isinstance(t.harness.comm, AcrossGroups):
+        t.harness.comm.settle_due = state["settled"] and not t.harness.comm.settled
 
 
 def check_loader(loader: DataLoader) -> None:
@@ -167,6 +175,14 @@ def begin_step(t: Trainer, loader: DataLoader, batch: int) -> None:
     seed_step(t)
 
 
+def before_backward(t: Trainer, loss: torch.Tensor) -> None:
+    """Before the step's last backward: where the gradients cross the groups in backward
+    (``shoal.ft.across``), the step's loss sums start across the groups now, as backward
+    computes."""
+    if isinstance(t.harness.comm, AcrossGroups):
+        t.live.send_numbers(t.epoch_loss.step_sum(coming=loss), t.harness.comm)
+
+
 def end_step(t: Trainer, window_samples: int | None) -> None:
     """After backward: average the gradients over the groups; raises Redo when the step
     does not commit (nothing of it is applied). (local_sgd, diloco: the step's samples
@@ -174,12 +190,38 @@ def end_step(t: Trainer, window_samples: int | None) -> None:
     if t.live.periodic:
         t.live.round_samples += (window_samples or 0) // t.harness.replica_groups[0]
         return
-    if not t.live.end_step(gradients(t.model),
+    averaged = isinstance(t.harness.comm, AcrossGroups)  # in backward already
+    if not t.live.end_step([] if averaged else gradients(t.model),
                            (window_samples or 0) // t.harness.replica_groups[0],
                            t.global_step, t.epoch_loss.step_sum()):
         t.optimizer.zero_grad(set_to_none=True)
         raise Redo()
     t.epoch_loss.take_step(*t.live.step_losses)  # every group's, as DDP over them sums
+
+
+def settle(t: Trainer, batch: Any) -> None:
+    """Before a replacement's first step, when due: cut DDP's buckets as the live groups
+    have (``shoal.ft.across``), with one forward and backward of ``batch`` (the step's first
+    micro-batch) that crosses no group. Its gradients, the module's buffers (BatchNorm's
+    statistics) and the step's random numbers are put back as they were."""
+    comm = t.harness.comm
+    if not (isinstance(comm, AcrossGroups) and comm.settle_due):
+        return
+    model = t.model
+    buffers = [b.clone() for b in model.buffers()]
+    comm.muted = True
+    try:
+        with t.harness.autocast():
+            loss = loss_of(model, batch, t.loss_fn, t.step_fn)
+        t.harness.precision.backward(loss)
+    finally:
+        comm.muted = False
+    comm.settle_due = False
+    t.optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for buffer, kept in zip(model.buffers(), buffers, strict=True):
+            buffer.copy_(kept)
+    seed_step(t)
 
 
 def seed_step(t: Trainer) -> None:

@@ -22,6 +22,7 @@ from shoal.data.sharding import (
     set_epoch,
 )
 from shoal.errors import NonFiniteError, UsageError
+from shoal.ft import ReplicaPlace
 from shoal.ft.session import Redo
 from shoal.metrics.recorder import StepMetrics
 from shoal.parallel.pipeline_parallel import PipelineModel
@@ -46,7 +47,14 @@ from shoal.training.config import TrainerConfig
 from shoal.training.epoch_loss import Carried, EpochLoss, per_step
 from shoal.training.evaluation import validate
 from shoal.training.harness import Harness, seed_everything
-from shoal.training.live import begin_step, check_loader, end_step, open_live
+from shoal.training.live import (
+    before_backward,
+    begin_step,
+    check_loader,
+    end_step,
+    open_live,
+    settle,
+)
 from shoal.training.preemption import Preempted, PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
@@ -115,7 +123,8 @@ class Trainer:
                                tensor_parallel=c.tensor_parallel, pipeline=c.pipeline,
                                tp_plan=tp_plan,
                                activation_checkpointing=c.activation_checkpointing,
-                               blocks=c.blocks, compile=c.compile, seed=c.seed)
+                               blocks=c.blocks, compile=c.compile, seed=c.seed,
+                               live=ReplicaPlace.from_environ() is not None)
         # Each dp rank gets its own stream of random numbers (dropout); its tp and pp ranks
         # share it, as they compute parts of one forward. The data order comes from the
         # sampler's seed and is the same on every rank.
@@ -353,6 +362,8 @@ class Trainer:
                     self.epoch_loss.mark()  # what a step done again goes back to
                     begin_step(self, loader, i)
             batch = h.to_device(batch)
+            if self.live is not None and position == 0:
+                settle(self, batch)  # a replacement cuts DDP's buckets as the others have
             n = samples_in(batch)
             if self.pipeline:  # forward and backward through every stage in one call
                 inputs, targets = pipeline_pair(batch)
@@ -363,6 +374,8 @@ class Trainer:
                                enabled=not step_now):  # all-reduce once per window
                     with h.autocast():
                         loss = loss_of(cast(nn.Module, model), batch, self.loss_fn, self.step_fn)
+                    if step_now and self.live is not None:
+                        before_backward(self, loss)
                     h.backward(self._scaled(loss, window, window_samples, n))
             if clock:
                 clock.lap("forward_backward")
