@@ -91,3 +91,19 @@ def test_a_restarted_worker_is_forked_and_sees_what_a_new_process_sees(tmp_path)
         assert seen["threads"] == 1  # what the launcher set, as a new process reads it
         for field in ("env", "cwd", "path0", "session", "threads"):
             assert seen[field] == command[key][field], field
+
+
+def test_each_process_of_a_live_job_runs_one_thread(tmp_path):
+    """Two replica groups of one process each are two processes on this node: each runs one
+    thread, as 2-process DDP's do. (With a thread per core each, their LayerNorm gradients
+    were summed in another order than DDP's, and the groups no longer trained DDP's model.)"""
+    pytest.importorskip("torchft")
+    script = tmp_path / "job_threads.py"
+    script.write_text("import os, sys, torch\n"
+                      "group = os.environ['SHOAL_FT_GROUP']\n"
+                      "path = os.path.join(sys.argv[1], 'threads_' + group)\n"
+                      "open(path, 'w').write(str(torch.get_num_threads()))\n")
+    result = run_shoal("run", "--replica-groups", "2", str(script), str(tmp_path),
+                       env={"OMP_NUM_THREADS": None}, fork=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p.read_text() for p in sorted(tmp_path.glob("threads_*"))] == ["1", "1"]
