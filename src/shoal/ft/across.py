@@ -94,7 +94,7 @@ class AcrossGroups:
         else:
             sent = buffer.to(self.wire).div_(groups)  # torch's fp16/bf16 hooks
         if carried is not None:
-            sent = torch.cat([sent, carried])
+            sent = torch.cat([sent, carried.to(sent.device)])
         self.traffic.sent(all_reduce_bytes(sent.numel() * sent.element_size(), groups))
         self.traffic.launched()
 
