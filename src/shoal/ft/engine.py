@@ -5,8 +5,9 @@ Used pieces (torchft 0.2.0): ``LighthouseServer``; ``Manager`` with a synchronou
 at the start of each step (a replacement heals before its forward pass, so it takes part
 in the very step it joins at) and the HTTP transport for healing; ``ProcessGroupGloo``
 across groups. Not used: torchft's ``DistributedDataParallel`` wrapper, which can crash the
-survivors of a killed gloo peer (``assert fut._fut``): gradients are averaged here by
-``Manager.allreduce`` after backward instead.
+survivors of a killed gloo peer (``assert fut._fut``): gradients are summed here on the
+quorum's process group, in shoal's own DDP hook (``shoal.ft.across``, whose sums never
+raise inside backward) or after backward.
 """
 
 from __future__ import annotations
