@@ -66,7 +66,8 @@ class PowerSGDHook:
         return future
 
     def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(flat, group=self.group)
+        if self.world > 1:  # one process (a live replica group of one): nothing to sum
+            dist.all_reduce(flat, group=self.group)
         self.traffic.sent(all_reduce_bytes(flat.numel() * flat.element_size(), self.world))
         return flat
 

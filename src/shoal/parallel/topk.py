@@ -71,20 +71,11 @@ class TopKHook:
         payload = torch.cat([values.view(torch.uint8),
                              positions.to(torch.int32).view(torch.uint8)])
         world = dist.get_world_size(self.group)
-        gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=flat.device)
+        gathered = payload if world == 1 else torch.empty(  # one process: nothing to gather
+            world * payload.numel(), dtype=torch.uint8, device=flat.device)
         self.traffic.sent(all_gather_bytes(payload.numel(), world))
         self.traffic.launched()
-        work = gather_into_tensor(gathered, payload, group=self.group, async_op=True)
         n_value_bytes = values.numel() * values.element_size()
-
-        def scatter(gathered_future: torch.futures.Future) -> None:
-            try:
-                gathered_future.value()  # raises if the all-gather failed
-                finish()
-            except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
-                for _, future in held:
-                    if not future.done():
-                        future.set_exception(exc)
 
         def finish() -> None:
             self.traffic.done()
@@ -102,6 +93,19 @@ class TopKHook:
                 future.set_result(buffer)
                 offset += buffer.numel()
 
+        def scatter(gathered_future: torch.futures.Future) -> None:
+            try:
+                gathered_future.value()  # raises if the all-gather failed
+                finish()
+            except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
+                for _, future in held:
+                    if not future.done():
+                        future.set_exception(exc)
+
+        if world == 1:
+            finish()
+            return
+        work = gather_into_tensor(gathered, payload, group=self.group, async_op=True)
         work.get_future().then(scatter)
 
     def state_dict(self) -> dict:
