@@ -104,6 +104,10 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
 class Harness:
     """Wraps model, optimizer and data for the chosen strategy and precision.
 
+    ``live``: this process is a replica group's, in a live job (the Trainer's, under
+    shoal's launcher): under ddp a group of one process averages across the groups inside
+    DDP's hook (``shoal.ft.across``).
+
     Raises:
         UsageError: If a setting is unknown or invalid (the Trainer's checks), the backend
             cannot run here, or the parallel degrees do not make up the world size.
@@ -123,9 +127,6 @@ class Harness:
                  tp_plan: dict | None = None,
                  activation_checkpointing: bool = False, blocks: list[str] | None = None,
                  compile: bool = False, seed: int = 0, live: bool = False):
-        """``live``: this process is a replica group's, in a live job (the Trainer's, under
-        shoal's launcher): under ddp a group of one process averages across the groups
-        inside DDP's hook (``shoal.ft.across``)."""
         from shoal.training.config import TrainerConfig
 
         # Validate through the same schema as the Trainer, so both reject the same inputs.
