@@ -242,6 +242,10 @@ class Replica:
 
         m = self._manager
         if m.errored():
+            # A step's collectives after its first failure are skipped, and the process
+            # group closed: a group whose earlier sum of the step went through waits for this
+            # one in the next, which then fails at once instead of after its deadline.
+            self.drop()
             return
         if not m.is_participating():
             tensor.zero_()
@@ -260,6 +264,7 @@ class Replica:
 
         m = self._manager
         if m.errored():
+            self.drop()  # (see sum)
             return _done(tensor)
         if not m.is_participating():
             tensor.zero_()

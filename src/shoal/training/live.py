@@ -107,8 +107,10 @@ def live_state(t: Trainer) -> dict[str, Any]:
             "global_step": t.global_step, "epoch": t.epoch, "position": t.step_position,
             "accumulate": t.accumulate, "skipped_steps": list(t.skipped_steps),
             "epoch_loss": t.epoch_loss.state(),
-            # DDP's buckets: cut for good here (a replacement cuts its own alike, see settle)
-            "settled": isinstance(t.harness.comm, AcrossGroups) and t.harness.comm.settled,
+            # DDP's buckets: cut for good here, or about to be (a replacement cuts its own
+            # alike, see settle)
+            "settled": isinstance(t.harness.comm, AcrossGroups) and (
+                t.harness.comm.settled or t.harness.comm.settle_due),
             **({"comm": t.harness.comm.state_dict()} if _periodic(t) else {})}
 
 
