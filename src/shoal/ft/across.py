@@ -6,10 +6,13 @@ hook sends each bucket to the same bucket of the other groups, as DDP among R pr
 sends it to the other ranks: scaled by 1/R the way DDP's reducer scales a gradient (a
 multiplication by 1/R, which differs from a division in the last bit for R = 3), then
 summed on the process group the step's quorum configured (gloo's algorithm, over the same
-bucket, in the same rank order). R groups of one process therefore compute bitwise what
-R-process DDP computes, and each bucket is on its way while backward computes the earlier
-layers' gradients: no copy of the gradients into one buffer after backward. Under fp16 and
-bf16 the bucket goes in that precision, divided first, as torch's compression hooks do.
+bucket, in the same rank order), and each bucket is on its way while backward computes the
+earlier layers' gradients: no copy of the gradients into one buffer after backward. The
+step's own numbers (loss sums, quorum flag) ride in the first bucket (``carry``): 2 groups
+of one process compute bitwise what 2-process DDP computes; 3 and more, what the same
+groups compute without failures (the longer first bucket changes gloo's chunks). Under
+fp16 and bf16 the bucket goes in that precision, divided first, as torch's compression
+hooks do, and the numbers in an all-reduce of their own.
 
 A sum that fails (a group lost during the step) never raises inside backward: the step is
 marked as errored and does not commit (``shoal.ft.session``). Groups of several processes,
@@ -63,11 +66,12 @@ class AcrossGroups:
 
     def carry(self, numbers: torch.Tensor) -> bool:
         """Have ``numbers`` (float32) summed over the groups with the first bucket of the
-        coming backward, where that cannot change the gradients' sums: 2 groups (a sum of
-        two is the same in any order; with 3 and more, more elements in a bucket would move
-        the borders of gloo's chunks, and so the order of the gradients' sums) and float32
-        gradients sent as they are. False: ``numbers`` need a collective of their own."""
-        if self.replica is None or self.groups != 2 or self.wire is not None or not self.fp32:
+        coming backward, where the gradients go in float32: one collective a step, as DDP
+        makes. With 2 groups the gradients' sums stay DDP's (a sum of two is the same in any
+        order); with 3 and more the longer bucket moves the borders of gloo's chunks, and
+        with them the order in which some gradients are summed. False (fp16, bf16):
+        ``numbers`` need a collective of their own."""
+        if self.replica is None or self.wire is not None or not self.fp32:
             return False
         self._carried = numbers
         return True
