@@ -56,7 +56,6 @@ class AcrossGroups:
         self.wire = _WIRE[compression]
         self.fp32 = fp32  # every gradient in float32 (so is every bucket)
         self.replica: Replica | None = None
-        self.groups = 1  # replica groups of the job (the session's place sets it)
         self._carried: torch.Tensor | None = None  # numbers that go with bucket 0
         self.settled = False
         """This process's DDP has been through a backward (its buckets are cut for good)."""

@@ -238,23 +238,7 @@ class Replica:
         group the quorum configured (what the manager's allreduce does, without its futures
         and timers: a gloo collective has its own deadline). After a failure the step is
         marked as errored, and later collectives of the step are skipped."""
-        from torch.distributed import AllreduceOptions, ReduceOp
-
-        m = self._manager
-        if m.errored():
-            # A step's collectives after its first failure are skipped, and the process
-            # group closed: a group whose earlier sum of the step went through waits for this
-            # one in the next, which then fails at once instead of after its deadline.
-            self.drop()
-            return
-        if not m.is_participating():
-            tensor.zero_()
-        options = AllreduceOptions()
-        options.reduceOp = ReduceOp(ReduceOp.SUM)
-        try:
-            m._pg.allreduce([tensor], options).wait()
-        except Exception as exc:  # noqa: BLE001 - a lost group, a timeout: the step fails
-            m.report_error(exc)
+        self.start_sum(tensor).wait()
 
     def start_sum(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """``sum``, started: the future's value is ``tensor``, summed in place once it is
@@ -264,7 +248,10 @@ class Replica:
 
         m = self._manager
         if m.errored():
-            self.drop()  # (see sum)
+            # A step's collectives after its first failure are skipped, and the process
+            # group closed: a group whose earlier sum of the step went through waits for this
+            # one in the next, which then fails at once instead of after its deadline.
+            self.drop()
             return _done(tensor)
         if not m.is_participating():
             tensor.zero_()

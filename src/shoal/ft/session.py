@@ -310,15 +310,17 @@ class LiveSession:
         ``losses`` (this rank's loss sum in the step, float64, and its micro-batches) are
         summed with the other groups' in the same collective: each group's sum in slots of
         its own (three float32 parts, exact), so every group reads every group's."""
-        sent = self._numbers(losses, tensors[0] if tensors else None)
-        if tensors:
-            self.replica.average([*tensors, sent], self._wire, summed=len(sent))
-        elif isinstance(self._sending, torch.Tensor):  # summed in backward (send_numbers)
-            sent, self._sending = self._sending, None
-        elif self._sending is not None:  # started before backward (send_numbers)
-            sent, self._sending = self._sending.wait(), None
+        sending, self._sending = self._sending, None
+        if isinstance(sending, torch.Tensor):  # summed in backward (send_numbers)
+            sent = sending
+        elif sending is not None:  # started before backward (send_numbers)
+            sent = sending.wait()
         else:
-            self.replica.sum(sent)
+            sent = self._numbers(losses, tensors[0] if tensors else None)
+            if tensors:
+                self.replica.average([*tensors, sent], self._wire, summed=len(sent))
+            else:
+                self.replica.sum(sent)
         got = sent.tolist()
         self.step_losses = (sum(got[:3 * self.place.groups]), round(got[-2]))
         self._asked = got[-1] > 0

@@ -80,7 +80,7 @@ def open_live(trainer: Trainer) -> LiveSession | None:
     if periodic:
         h.comm.across = session.meet
     if isinstance(h.comm, AcrossGroups):  # the gradients cross the groups in DDP's hook
-        h.comm.replica, h.comm.groups = session.replica, place.groups
+        h.comm.replica = session.replica
     session.step_now = lambda: trainer.global_step
     return session
 
