@@ -172,10 +172,10 @@ def test_one_process_checkpoint_loads_under_tensor_parallel(runs):
 
 def test_checkpoint_numbered_by_an_older_shoal_still_loads(single_process, tmp_path,
                                                            monkeypatch):
-    import shoal.training.checkpointing as checkpointing
+    import shoal.training.state as state
 
     # Before name-keyed checkpoints, the optimizer's own state_dict (numbered) was saved.
-    monkeypatch.setattr(checkpointing, "model_and_optimizer_state",
+    monkeypatch.setattr(state, "model_and_optimizer_state",
                         lambda model, optimizer: (model.module.state_dict(),
                                                   optimizer.state_dict()))
     old = _trainer("ddp", tmp_path)

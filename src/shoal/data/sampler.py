@@ -3,8 +3,8 @@
 Global micro-batch m is positions ``[m*W*B, (m+1)*W*B)`` of the epoch's permutation; rank r
 of W reads every W-th of them, starting at r. When the sizes divide, this is exactly what
 torch's DistributedSampler gives each rank, batch after batch. Unlike it, this sampler can
-start at any number of samples already consumed in the epoch, with any world size: a run
-resumed at W' continues at the very next global sample.
+start at any position in the epoch (global samples already consumed), with any world size:
+a run resumed at W' continues at the very next global sample.
 """
 
 from __future__ import annotations
@@ -39,18 +39,20 @@ class ElasticSampler(Sampler[int]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.epoch = 0
-        self.start = 0  # global samples of this epoch already consumed
+        self.start = 0  # the epoch's position: global samples already consumed
 
     @property
     def global_batch(self) -> int:
         return self.world_size * self.batch_size
 
-    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
-        """Start ``epoch`` after ``consumed`` of its samples (all ranks together)."""
-        if not 0 <= consumed <= self.length:
-            raise ValueError(f"consumed {consumed} outside the epoch of {self.length} samples")
+    def set_epoch(self, epoch: int, position: int = 0) -> None:
+        """Start ``epoch`` at ``position``: after that many of its samples (all ranks
+        together)."""
+        if not 0 <= position <= self.length:
+            raise ValueError(f"position {position} lies outside the epoch of {self.length} "
+                             "samples")
         self.epoch = epoch
-        self.start = consumed
+        self.start = position
 
     def global_order(self) -> torch.Tensor:
         """The epoch's permutation of sample indices, identical on every rank and every W."""

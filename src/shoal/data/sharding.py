@@ -99,22 +99,23 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
     return DataLoader(dataset, sampler=sampler, **kwargs)
 
 
-def set_epoch(loader: DataLoader, epoch: int, consumed: int = 0) -> bool:
+def set_epoch(loader: DataLoader, epoch: int, position: int = 0) -> bool:
     """Reshuffle for ``epoch``: every rank derives the same global order from (seed, epoch).
 
-    ``consumed`` global samples of the epoch are skipped (resuming). Returns False when the
-    loader cannot start mid-epoch (it then starts the epoch from its beginning).
+    The epoch starts at ``position``: its first ``position`` global samples are skipped
+    (resuming). Returns False when the loader cannot start mid-epoch (it then starts the
+    epoch from its beginning).
     """
     sampler = loader.sampler
     if isinstance(sampler, ElasticSampler):
-        sampler.set_epoch(epoch, consumed)
+        sampler.set_epoch(epoch, position)
         if loader.generator is not None:
             # Worker seeds then depend on (seed, epoch, rank) only, never on the history.
             loader.generator.manual_seed(hash((sampler.seed, epoch, sampler.rank)) % 2**62)
         return True
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
-    return consumed == 0
+    return position == 0
 
 
 def samples_between(loader: DataLoader, first: int, last: int) -> int | None:
@@ -125,7 +126,8 @@ def samples_between(loader: DataLoader, first: int, last: int) -> int | None:
 
 
 def position_after(loader: DataLoader, micro_batches: int) -> int | None:
-    """Global samples of the epoch consumed after ``micro_batches`` more batches, if known."""
+    """The epoch's position (global samples consumed) after ``micro_batches`` more batches,
+    if known."""
     sampler = loader.sampler
     if not isinstance(sampler, ElasticSampler):
         return None

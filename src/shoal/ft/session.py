@@ -1,9 +1,10 @@
 """One replica group's side of a live job, step by step.
 
-    session.begin_step()          # quorum; a replacement heals here (raises Redo)
+    if session.begin_step() is StepOutcome.HEALED:   # quorum; a replacement heals here
+        ...                       # go on from the loaded state's step and data position
     ... forward, backward ...
-    if not session.end_step(grads, samples):
-        raise Redo()              # a group failed during the step: it is done again
+    if session.end_step(grads, samples, step) is StepOutcome.AGAIN:
+        ...                       # a group failed during the step: it is done again
 
 A step that does not commit changes nothing (no optimizer step, no counter), so doing it
 again from where it began loses no step. Under 'exact' a step commits only with every group
@@ -19,7 +20,7 @@ compression state too.
 
 The periodic strategies (local_sgd, diloco) meet the other groups only every few steps:
 
-    session.join(blank)           # the first step of this process (a replacement heals here)
+    session.join(contribution)    # the first step of this process (a replacement heals here)
     mean = session.meet(flat)     # a meeting, held until it commits
 
 Under 'exact' each meeting also hands every group the others' private state (what differs
@@ -30,12 +31,13 @@ state at the last meeting and redoes the steps since, while the others wait at t
 from __future__ import annotations
 
 import copy
+import enum
 import io
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, Protocol
 
 import torch
 
@@ -49,9 +51,39 @@ class LiveError(RuntimeError):
     """A live step cannot go on (no lighthouse, no quorum in time): said in one line."""
 
 
-class Redo(Exception):
-    """The step under way starts again from where it began (after a failed step, or a heal
-    that moved this group to the live groups' step)."""
+class StepOutcome(enum.Enum):
+    """What became of a step, as the session says it."""
+
+    GO = "go"
+    """The step goes ahead (``begin_step``, ``join``)."""
+    COMMITTED = "committed"
+    """The step is applied: every group that took part applies the same mean."""
+    AGAIN = "again"
+    """The step did not commit and nothing of it was applied: it is done again from where it
+    began."""
+    HEALED = "healed"
+    """This group loaded a live group's state (``GroupState.load_state_dict``): training
+    goes on from that state's step and data position."""
+
+
+class GroupState(Protocol):
+    """What a step changes, as a live session reads and loads it (a Trainer's
+    ``shoal.training.state.TrainState``)."""
+
+    global_step: int
+
+    @property
+    def periodic(self) -> bool: ...
+
+    def state_dict(self, *, heal: bool = False) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], *, heal: bool = False) -> None: ...
+
+    def private_state(self) -> dict[str, Any]: ...
+
+    def load_private_state(self, state: dict[str, Any]) -> None: ...
+
+    def blank_gradients(self) -> list[torch.Tensor]: ...
 
 
 def state_bytes(state: object) -> int:
@@ -70,16 +102,12 @@ class LiveSession:
     replacement loads from a live group."""
 
     def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
-                 state: Callable[[], dict], load: Callable[[dict], None],
+                 state: GroupState,
                  record: Callable[..., None] = lambda step, **fields: None,
-                 wire: torch.dtype | None = None, periodic: bool = False,
-                 private: Callable[[], dict] | None = None,
-                 restore: Callable[[dict], None] | None = None,
-                 blank: Callable[[], list[torch.Tensor]] | None = None):
-        """``private``: what differs between this rank and the same rank of the other
-        groups (periodic: the inner optimizer; under powersgd, topk: the compression
-        state); ``restore`` loads it back (a step that does not commit is undone);
-        ``blank``: zeros of this rank's gradients (what a group sitting a step out sends)."""
+                 wire: torch.dtype | None = None, feedback: bool = False):
+        """``state``: what a heal sends and loads; ``feedback``: each rank keeps an error
+        feedback of its own (powersgd, topk), which a step that does not commit undoes;
+        ``record(step, **fields)``: a change of who takes part, for the run's metrics."""
         from shoal.ft.engine import Replica  # imports torchft: only in a live job
 
         self.place = place
@@ -90,7 +118,7 @@ class LiveSession:
         """Samples of missing groups skipped (policy 'available'), over the whole run."""
         self.healed: list[dict] = []
         """Each heal of this group: step, bytes, seconds."""
-        self._state, self._load, self._record = state, load, record
+        self.state, self._record = state, record
         self._wire = wire  # the precision gradients are sent in across groups (fp16, bf16)
         self._quorum: Quorum | None = None  # the quorum of the step under way
         self._steady = False  # the next step reuses the last quorum (see _average)
@@ -107,13 +135,13 @@ class LiveSession:
         """The time this process spent in them (a heal included)."""
         self._participants = place.groups
         self._started = 0.0
-        self.in_quorum = False  # waiting for the other groups at a quorum
-        self.leaving: int | None = None  # the exit code of a stop in a quorum wait
-        self.periodic = periodic
-        self._private, self._restore, self._blank = private, restore, blank
+        self._in_quorum = False  # waiting for the other groups at a quorum
+        self._leaving: int | None = None  # the exit code of a stop in a quorum wait
+        self.periodic = state.periodic
+        self._feedback = feedback and not self.periodic
         self._exact = place.config.policy == "exact"
         # 'exact' under powersgd, topk: rounds of the compression state, and a log.
-        self._logged = self._exact and private is not None and not periodic
+        self._logged = self._exact and self._feedback
         self._every = place.config.compression_state_every
         # The averaged gradients since the round, with each step's losses of every group.
         self._log: list[tuple[torch.Tensor, tuple[float, int]]] = []
@@ -128,9 +156,8 @@ class LiveSession:
         self.round_due = False  # a meeting committed: keep the round's state next
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # every group's private
         self._contributes = True  # False: the meeting under way counts this group out
-        self.round_samples = 0  # this group's samples since the last meeting
-        self.redo = False  # 'available': this group healed in a meeting (its step moved)
-        self.step_now: Callable[[], int] = lambda: 0  # the trainer's step (for what is said)
+        self._round_samples = 0  # this group's samples since the last meeting
+        self._moved = False  # 'available': this group healed in a meeting (its step moved)
         try:
             self.replica = Replica(place, group_rank, group_size, self._send, self._receive)
         except RuntimeError as exc:  # torchft's: the lighthouse does not answer
@@ -141,19 +168,20 @@ class LiveSession:
         if self.round is not None:  # 'exact': the last meeting's or hand-over's state
             return {"round": self.round, "rows": self._rows, "log": list(self._log),
                     "skipped_samples": self.skipped_samples}
-        return {"trainer": self._state(), "skipped_samples": self.skipped_samples}
+        return {"trainer": self.state.state_dict(heal=True),
+                "skipped_samples": self.skipped_samples}
 
     def _receive(self, state: dict) -> None:
         if "round" in state:  # this group's own state at the last meeting
             rows, lengths = state["rows"]
             mine = rows[self.place.group, :int(lengths[self.place.group])]
             private = torch.load(io.BytesIO(mine.numpy().tobytes()), weights_only=True)
-            self._load({**state["round"], **private})
+            self.state.load_state_dict({**state["round"], **private}, heal=True)
             self.round, self._rows = state["round"], state["rows"]
             self._log, self._replay = list(state["log"]), list(state["log"])
             self._received_step = state["round"]["global_step"]
         else:
-            self._load(state["trainer"])
+            self.state.load_state_dict(state["trainer"], heal=True)
             self._received_step = state["trainer"]["global_step"]
         self.skipped_samples = state["skipped_samples"]
         self._received = state_bytes(state)
@@ -163,32 +191,31 @@ class LiveSession:
             print(f"shoal: replica group {self.place.group}: {message}", file=sys.stderr,
                   flush=True)
 
-    def begin_step(self) -> None:
+    def begin_step(self) -> StepOutcome:
         """Meet the other groups for the next step (once, also when the step is started
-        again after a heal)."""
+        again after a heal): GO, or HEALED (this group now holds a live group's state)."""
         if self._replay:  # a logged step, redone alone
-            return
+            return StepOutcome.GO
         if self._quorum is None:
             if self._steady:  # nothing changed since the last quorum: no round trip
                 self._quorum = self.replica.again()
             elif self._start_quorum().healed:
                 if self._replay:
                     self._sit_out()
-                raise Redo()
-        if self._restore is not None:
-            assert self._private is not None  # given with restore (the compression state)
-            self._kept = self._private()
-            if self._logged and (self.round is None or self.step_now()
+                return StepOutcome.HEALED
+        if self._feedback:
+            self._kept = self.state.private_state()
+            if self._logged and (self.round is None or self.state.global_step
                                  - self.round["global_step"] >= self._every):
-                self._pending = copy.deepcopy(self._state())
+                self._pending = copy.deepcopy(self.state.state_dict(heal=True))
+        return StepOutcome.GO
 
     def _sit_out(self) -> None:
         """'exact', just healed from a hand-over: send nothing to the step under way (zeros,
         weight 0), so that no group commits it, and redo the logged steps alone, while the
         others wait at the next quorum."""
         self._quorum = None
-        assert self._blank is not None  # a live job always gives it
-        zeros = self._blank()
+        zeros = self.state.blank_gradients()
         flags = torch.zeros(2, dtype=zeros[0].dtype if zeros else torch.float32,
                             device=zeros[0].device if zeros else None)
         with heartbeat.waiting():
@@ -233,11 +260,11 @@ class LiveSession:
                 # Waiting for the others (or a replacement) is not a hang: the call's own
                 # deadline ends it.
                 with heartbeat.waiting():
-                    self.in_quorum = True  # a preemption signal may end this wait
+                    self._in_quorum = True  # a preemption signal may end this wait
                     try:
                         return self.replica.quorum()
                     finally:
-                        self.in_quorum = False
+                        self._in_quorum = False
             except Exception as exc:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
                 if time.monotonic() >= deadline:
                     raise LiveError(
@@ -248,16 +275,16 @@ class LiveSession:
                 time.sleep(0.2)
 
     def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int,
-                 losses: tuple[float, int] = (0.0, 0)) -> bool:
-        """Average ``grads`` over the groups of the step and vote; True: apply the step.
-        (No ``grads``: they were averaged in backward, by DDP's hook.)
+                 losses: tuple[float, int] = (0.0, 0)) -> StepOutcome:
+        """Average ``grads`` over the groups of the step and vote: COMMITTED (apply the
+        step) or AGAIN. (No ``grads``: they were averaged in backward, by DDP's hook.)
         ``samples``: this group's samples in the step (what a missing group skipped);
         ``losses``: this rank's loss sum in the step and its micro-batches, whose sum with
         the other groups' travels with the average (``step_losses``)."""
         if self._replay:  # a logged step redone alone: the others' mean, as it was
             flat, self.step_losses = self._replay.pop(0)
             _unflatten(flat, grads)
-            return True
+            return StepOutcome.COMMITTED
         quorum, self._quorum = self._quorum, None
         self._steady = False  # until this step commits with every group in it
         with heartbeat.waiting():  # each wait for the other groups has its own deadline
@@ -270,12 +297,11 @@ class LiveSession:
             self._log_step(grads if committed else None)
         if not committed:
             self.replica.drop()  # a group that committed fails its next step at once
-            if self._kept is not None:
-                assert self._restore is not None  # _kept is only set under a restore
-                self._restore(self._kept)  # the step's error feedback is undone too
+            if self._kept is not None:  # the step's error feedback is undone too
+                self.state.load_private_state(self._kept)
             self._say(f"step {step + 1} did not commit (a replica group failed or is "
                       "missing): it is done again")
-            return False
+            return StepOutcome.AGAIN
         assert quorum is not None  # begin_step started it
         groups, joined = self.place.groups, quorum.participants
         self._steady = joined == groups and not self._asked
@@ -291,7 +317,7 @@ class LiveSession:
             self._participants = joined
             self._record(step + 1, kind="replica_groups", taking_part=joined, groups=groups,
                          skipped_samples=self.skipped_samples)
-        return True
+        return StepOutcome.COMMITTED
 
     def _average(self, tensors: Sequence[torch.Tensor],
                  losses: tuple[float, int] = (0.0, 0)) -> None:
@@ -383,30 +409,53 @@ class LiveSession:
             except Exception:  # noqa: BLE001 - torchft's: the others have ended
                 return
 
-    def join(self, blank: Callable[[], torch.Tensor]) -> bool:
+    def join(self, blank: Callable[[], torch.Tensor]) -> StepOutcome:
         """Periodic strategies, at this process's first step: meet the others. At the job's
         start every group is at step 0 and this is a meeting with nothing to average. A
         replacement heals here: under 'exact' from its own group's state at the last meeting
-        (it raises Redo, to redo its steps since, and the others wait at the meeting); under
-        'available' from a live group's state now (returns True: it then takes this
-        meeting's mean without adding to it). ``blank()``: a meeting's contribution (its
-        values are not used)."""
+        (HEALED: it redoes its steps since, and the others wait at the meeting); under
+        'available' from a live group's state now (GO, with ``joins_meeting``: it takes
+        this meeting's mean without adding to it, and ``after_meeting`` says HEALED).
+        ``blank()``: a meeting's contribution (its values are not used)."""
         if self.joined:
-            return False
+            return StepOutcome.GO
         self.joined = True
         self._start_quorum()
         if self.replica.step == 0:  # the start: the meeting that gives out private states
             self.meet(blank().zero_(), start=True)
-            return False
+            return StepOutcome.GO
         if self._exact:  # this meeting is held again once this group has caught up
             self._quorum = None
             self._attempt(blank().zero_(), abstain=True)
             self.replica.commit()  # (no: the others see this group's weight 0)
             self._say(f"redoes its steps since the last meeting (step {self._received_step}) "
                       "while the other groups wait")
-            raise Redo()
+            return StepOutcome.HEALED
         self._contributes = False
-        return True
+        return StepOutcome.GO
+
+    @property
+    def joins_meeting(self) -> bool:
+        """Healed in ``join`` under 'available': the meeting under way is this group's
+        too, though no meeting is due at its step."""
+        return not self._contributes
+
+    def after_meeting(self) -> StepOutcome:
+        """Periodic strategies, after a step's meeting, if any: HEALED when this group
+        healed in it ('available': its step moved to a live group's); else GO, with the
+        state just after the meeting kept under 'exact' (what a replacement starts again
+        from, with its own private state)."""
+        if self._moved:
+            self._moved = False
+            return StepOutcome.HEALED
+        if self.round_due:
+            self.round, self.round_due = copy.deepcopy(self.state.state_dict(heal=True)), False
+        return StepOutcome.GO
+
+    def count_samples(self, samples: int) -> None:
+        """Periodic strategies: this group's samples in a step (what a missing group
+        skips)."""
+        self._round_samples += samples
 
     def meet(self, flat: torch.Tensor, start: bool = False) -> torch.Tensor:
         """Periodic strategies: the mean of ``flat`` over the groups, held again until it
@@ -419,21 +468,21 @@ class LiveSession:
                 self._quorum = self._meet()
             quorum, self._quorum = self._quorum, None
             if quorum.healed and not start:  # behind ('available'): now a live group's clone
-                self._contributes, self.redo = False, True
+                self._contributes, self._moved = False, True
             mean, bringing, rows = self._attempt(flat.clone())
             if self.replica.commit():
                 break
             if not said and not start:
-                self._say(f"the meeting at step {self.step_now()} did not commit "
+                self._say(f"the meeting at step {self.state.global_step} did not commit "
                           "(a replica group failed or is catching up): it is held again")
                 said = True
         self._contributes = True
         self._rows, self.round_due = rows, self._exact
         groups = self.place.groups
         if bringing < groups and not start:
-            self.skipped_samples += (groups - bringing) * self.round_samples
+            self.skipped_samples += (groups - bringing) * self._round_samples
         if bringing != self._participants and not start:
-            step = self.step_now()
+            step = self.state.global_step
             if bringing < groups:
                 self._say(f"the meeting at step {step}: {bringing} of {groups} replica "
                           "groups bring their steps; the others' samples are skipped "
@@ -445,7 +494,7 @@ class LiveSession:
             self._participants = bringing
             self._record(step, kind="replica_groups", taking_part=bringing, groups=groups,
                          skipped_samples=self.skipped_samples)
-        self.round_samples = 0
+        self._round_samples = 0
         return mean
 
     def _attempt(self, flat: torch.Tensor, abstain: bool = False
@@ -468,8 +517,8 @@ class LiveSession:
         bringing = round(float(sent[-1]))
         rows = None
         if self._exact:
-            private = cast("Callable[[], dict]", self._private)  # periodic: always given
-            rows = self._gather(b"" if abstain else self._serialized(private()))
+            rows = self._gather(b"" if abstain else self._serialized(
+                self.state.private_state()))
             if bringing < groups:
                 self.replica.abstain()
             return sent[:-1], bringing, rows
@@ -493,19 +542,23 @@ class LiveSession:
         self.replica.sum(rows)
         return rows, lengths
 
-    def keep_round(self, state: dict) -> None:
-        """'exact', periodic: this group's state just after a meeting (a deep copy), which a
-        replacement of any group starts again from (with its own private state)."""
-        self.round, self.round_due = state, False
+    def waiting(self) -> bool:
+        """Whether this process now waits for the other groups at a quorum."""
+        return self._in_quorum
+
+    def exit_on_close(self, code: int) -> None:
+        """Stopped in a quorum wait (a preemption signal): ``close`` ends the process with
+        ``code``."""
+        self._leaving = code
 
     def close(self) -> None:
         self.replica.close()
-        if self.leaving is not None:
+        if self._leaving is not None:
             # Stopped in a quorum wait: torchft's quorum thread would hold the exit until
             # its own timeout (the state is saved: nothing is left to do).
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(self.leaving)
+            os._exit(self._leaving)
 
 
 def _parts(value: float) -> tuple[float, float, float]:

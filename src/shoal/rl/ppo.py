@@ -29,12 +29,9 @@ from shoal.rl.evaluate import evaluate
 from shoal.rl.policy import ActorCritic
 from shoal.rl.rollout import Batch, Episodes, collect
 from shoal.runtime.heartbeat import heartbeat
-from shoal.training.checkpointing import (
-    load_model_and_optimizer_state,
-    model_and_optimizer_state,
-)
 from shoal.training.harness import Harness, seed_everything
 from shoal.training.preemption import PreemptionWatch, exit_code
+from shoal.training.state import load_model_and_optimizer_state, model_and_optimizer_state
 
 LABELS = {"data": "rollout", "compute": "learn"}
 EXTRAS = ("episode_return", "episode_length", "episodes", "env_steps")

@@ -1,9 +1,10 @@
 """Save and restore everything a Trainer needs to continue a run exactly.
 
-A checkpoint holds model, optimizer, LR scheduler, gradient scaler, every rank's RNG
-states, the step and epoch counters and the data position (global samples consumed in the
-epoch). Resumed with another world size, the global batch stays the same: accumulation is
-adjusted where it divides, and a clear error says what to change where it does not.
+A checkpoint holds the Trainer's ``TrainState`` (model, optimizer, LR scheduler, gradient
+scaler, compression state, the step and epoch counters, the data position and the epoch's
+loss so far) and every rank's RNG states. Resumed with another world size, the global batch
+stays the same: accumulation is adjusted where it divides, and a clear error says what to
+change where it does not.
 
 Model and optimizer state are keyed by parameter name (``torch.distributed.checkpoint.
 state_dict``), the same under every strategy: sharded tensors are saved as shards and loaded
@@ -13,37 +14,26 @@ continues under 'ddp' on 1, and the reverse.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 from torch.distributed.tensor import DTensor
 
 from shoal.checkpoint import CheckpointError, CheckpointStore, rng, tree
 from shoal.errors import UsageError
 from shoal.parallel.pipeline_parallel import placed_in_stage
-from shoal.parallel.zero import gather_optimizer_state, is_zero, load_optimizer_state
 
 # layers: up to remote/, which imports nothing of training: checkpoints hold a tier's state
 from shoal.remote.module import remote_modules
 from shoal.training.config import TrainerConfig
-from shoal.training.epoch_loss import Carried, EpochLoss, per_step
 from shoal.training.harness import Harness
-
-if TYPE_CHECKING:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+from shoal.training.state import TrainState, unhooked
 
 
 class Trainer(Protocol):
@@ -52,15 +42,10 @@ class Trainer(Protocol):
 
     config: TrainerConfig
     harness: Harness
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: Any
-    global_step: int
-    epoch: int
-    accumulate: int
+    state: TrainState
     run_config: dict | None
     tracking: dict[str, str]
     checkpointing: Checkpointing | None
-    epoch_loss: EpochLoss
 
     @property
     def module(self) -> torch.nn.Module: ...
@@ -99,55 +84,50 @@ class Checkpointing:
         self._requested = self._requested or due
         return due
 
-    def after_step(self, consumed: int | None) -> None:
-        if self.every and self.trainer.global_step % self.every == 0:
-            self.save(consumed)
+    def after_step(self) -> None:
+        if self.every and self.trainer.state.global_step % self.every == 0:
+            self.save()
 
-    def save(self, consumed: int | None) -> Path | None:
+    def save(self) -> Path | None:
         t = self.trainer
         if self.before_save is not None:
             self.before_save()
         if not _finite(t):
-            _say(t, f"not saving step {t.global_step}: the model holds NaN or Inf; the last "
+            _say(t, f"not saving step {t.state.global_step}: the model holds NaN or Inf; the last "
                     "good checkpoint stays the newest")
             return None
-        shared = {"scaler": t.harness.precision.state_dict()}
-        own = {"rng": rng.capture(), "comm": t.harness.comm_state_dict()}
+        state = t.state.state_dict()
+        own = {"rng": state.pop("rng"), "comm": state.pop("comm")}
         # Under local_sgd / diloco every rank holds its own replica and optimizer state.
-        replicas = own if self.local else shared
-        model_state, optimizer_state = model_and_optimizer_state(t.state_model, t.optimizer)
-        replicas.update(model=model_state, optimizer=optimizer_state)
-        if t.lr_scheduler is not None:
-            shared["lr_scheduler"] = t.lr_scheduler.state_dict()
+        replicas = own if self.local else {}
+        replicas.update(model=state.pop("model"), optimizer=state.pop("optimizer"))
+        shared = {"scaler": state.pop("scaler"), **({} if self.local else replicas)}
+        if state["lr_scheduler"] is not None:
+            shared["lr_scheduler"] = state["lr_scheduler"]
+        del state["lr_scheduler"]
         c = t.config
-        meta = {"global_step": t.global_step, "epoch": t.epoch,
-                # None: the loader cannot resume mid-epoch; the epoch restarts instead.
-                "consumed": consumed, "batch_size": c.batch_size,
-                # Every rank's so far (a collective): a resumed epoch reports the whole.
-                "epoch_loss": [*t.epoch_loss.totals(t.harness.world_size),
-                               per_step(t.harness.world_size, t.harness.replica_groups[0],
-                                        t.accumulate)],
-                "global_batch": t.harness.data_ranks * c.batch_size * t.accumulate,
+        # The counters, the data position (None: the loader cannot resume mid-epoch; the
+        # epoch restarts instead) and the epoch's loss so far.
+        meta = {**state, "batch_size": c.batch_size,
+                "global_batch": t.harness.data_ranks * c.batch_size * t.state.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
                 "run_config": t.run_config, "tracking": t.tracking,
                 "remote": {name: m.tier_state() for name, m in remote_modules(t.module).items()}}
-        path = self.store.save(t.global_step, shared, own, meta)
-        self.saved_step = t.global_step
+        path = self.store.save(t.state.global_step, shared, own, meta)
+        self.saved_step = t.state.global_step
         self.saved_at = time.monotonic()
         self._requested = False
         return path
 
-    def resume(self, source: str) -> tuple[int, Carried | None]:
-        """Load the checkpoint ``source`` names ('auto': the newest complete one).
-
-        Returns the samples of the current epoch already consumed, and the epoch's loss sum
-        and batch count over every rank when it was saved (None: unknown).
-        """
+    def resume(self, source: str) -> None:
+        """Load the checkpoint ``source`` names ('auto': the newest complete one) into the
+        Trainer's state: same step, same next sample, same random streams, and the epoch's
+        loss so far."""
         t = self.trainer
         path = self.store.latest() if source == "auto" else Path(source)
         if path is None:
             _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
-            return 0, None
+            return
         live = get_model_state_dict(t.state_model)
         others = _other_stages(live) if t.harness.dims.pp_enabled else None
         shared, own, meta = self.store.load(path, like=self._layout() if t.harness.split
@@ -157,17 +137,25 @@ class Checkpointing:
         if t.harness.dims.pp_enabled:  # this stage's part of the whole model's state
             model_state, optimizer_state = _stage_part(model_state, optimizer_state, live)
         _check_model_fits(path, model_state, live)
-        load_model_and_optimizer_state(t.state_model, t.optimizer, model_state,
-                                       optimizer_state)
-        live_remote = remote_modules(t.module)
-        for name, state in meta.get("remote", {}).items():
-            if name in live_remote:
-                live_remote[name].load_tier_state(state)
-        t.harness.precision.load_state_dict(shared["scaler"])
-        if t.lr_scheduler is not None and "lr_scheduler" in shared:
-            t.lr_scheduler.load_state_dict(shared["lr_scheduler"])
+        state = {"model": model_state, "optimizer": optimizer_state,
+                 "scaler": shared["scaler"], "lr_scheduler": shared.get("lr_scheduler"),
+                 "global_step": meta["global_step"],
+                 "epoch": meta["epoch"],
+                 # (named 'consumed' by earlier releases)
+                 "position": meta["position"] if "position" in meta else meta["consumed"],
+                 "accumulate": self._keep_global_batch(meta),
+                 "skipped_steps": meta.get("skipped_steps", []),
+                 # absent from checkpoints of earlier releases
+                 "epoch_loss": meta.get("epoch_loss")}
         if own is not None:
-            rng.restore(own["rng"])
+            state["rng"] = own["rng"]
+        if self._comm_applies(own, meta):
+            state["comm"] = cast(dict, own)["comm"]
+        t.state.load_state_dict(state)
+        live_remote = remote_modules(t.module)
+        for name, tier in meta.get("remote", {}).items():
+            if name in live_remote:
+                live_remote[name].load_tier_state(tier)
         if t.harness.dims.tp_enabled:
             # A rank's saved streams may come from another layout: the tp ranks of a dp
             # rank must draw the same numbers (replicated activations, dropout).
@@ -176,36 +164,31 @@ class Checkpointing:
             dist.broadcast_object_list(states, group=t.harness.mesh["tp"].get_group(),
                                        group_src=0)
             rng.restore(states[0])
-        self._restore_comm(own, meta)
-        t.global_step, t.epoch = meta["global_step"], meta["epoch"]
         t.tracking = dict(meta.get("tracking") or {})  # the MLflow run to continue
-        self.saved_step = t.global_step
-        self._keep_global_batch(meta)
+        self.saved_step = t.state.global_step
         writes = (f"new checkpoints go to {self.store.root}" if t.checkpointing is self
                   else "no new checkpoints are written (checkpoint_dir is unset)")
-        _say(t, f"resumed from {path} (step {t.global_step}, epoch {t.epoch}, "
+        _say(t, f"resumed from {path} (step {t.state.global_step}, epoch {t.state.epoch}, "
                 f"saved by {meta['world_size']} processes); {writes}")
-        saved_loss = meta.get("epoch_loss")  # absent from checkpoints of earlier releases
-        return meta["consumed"] or 0, Carried(*saved_loss) if saved_loss else None
 
     def _layout(self) -> dict[str, torch.Tensor]:
         """Empty tensors shaped like this rank's shards, for DCP to load each rank's part
         into (rather than every rank reading whole tensors), under both prefixes a
         checkpoint may file them under."""
         t = self.trainer
-        with _unhooked(t.optimizer):  # a fresh optimizer's state is created, to load into
-            model_state, optimizer_state = get_state_dict(t.state_model, t.optimizer)
+        with unhooked(t.state.optimizer):  # a fresh optimizer's state is created, to load into
+            model_state, optimizer_state = get_state_dict(t.state_model, t.state.optimizer)
         _, tensors = tree.split({"model": model_state, "optimizer": optimizer_state}, "shared")
         like = {k: torch.empty_like(v) for k, v in tensors.items()}
         own = f"rank{t.harness.rank}"
         return {**like, **{own + k.removeprefix("shared"): v for k, v in like.items()}}
 
-    def _restore_comm(self, own: dict | None, meta: dict) -> None:
-        """The compression's or weight averaging's state, when it can continue exactly."""
+    def _comm_applies(self, own: dict | None, meta: dict) -> bool:
+        """The checkpoint's compression or weight averaging state can continue exactly."""
         t = self.trainer
         saved = (own or {}).get("comm") or {}
         if not saved.get("state"):
-            return
+            return False
         if saved["kind"] != t.harness.comm_kind:
             _say(t, f"the checkpoint's {saved['kind']} state does not apply to "
                     f"{t.harness.comm_kind}: starting it afresh")
@@ -214,7 +197,8 @@ class Checkpointing:
                     f"{meta['world_size']}: the per-rank {saved['kind']} state (error "
                     "feedback) starts afresh")
         else:
-            t.harness.load_comm_state_dict(saved["state"])
+            return True
+        return False
 
     def _replicas(self, path: Path, shared: dict, own: dict | None, meta: dict) -> dict:
         """Where model and optimizer state are: shared, or per rank (local_sgd, diloco)."""
@@ -231,12 +215,13 @@ class Checkpointing:
                              f"{meta['world_size']} processes")
         return own
 
-    def _keep_global_batch(self, meta: dict) -> None:
+    def _keep_global_batch(self, meta: dict) -> int:
+        """The accumulation that keeps the checkpoint's global batch on these ranks."""
         t = self.trainer
         world, batch = t.harness.data_ranks, t.config.batch_size
         global_batch = meta["global_batch"]
-        if global_batch == world * batch * t.accumulate:
-            return
+        if global_batch == world * batch * t.state.accumulate:
+            return t.state.accumulate
         if global_batch % (world * batch):
             raise UsageError(
                 f"the checkpoint's global batch is {global_batch} samples, which "
@@ -244,56 +229,11 @@ class Checkpointing:
                 f"batch_size that divides "
                 f"{global_batch // world if global_batch % world == 0 else '?'} or a "
                 f"data-parallel degree that divides {global_batch // batch}")
-        t.accumulate = global_batch // (world * batch)
+        accumulate = global_batch // (world * batch)
         _say(t, f"{world} data-parallel ranks x batch_size {batch} differ from the "
                 f"checkpoint's layout ({meta['world_size']} processes): accumulating "
-                f"{t.accumulate} micro-batches to keep the global batch of {global_batch}")
-
-
-@contextlib.contextmanager
-def _unhooked(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """torch's state-dict functions create a fresh optimizer's state by a step with zero
-    gradients and learning rate; the user's step hooks must not count it as a step."""
-    hooks = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
-    optimizer._optimizer_step_pre_hooks = OrderedDict()
-    optimizer._optimizer_step_post_hooks = OrderedDict()
-    try:
-        yield
-    finally:
-        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = hooks
-
-
-def model_and_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                              ) -> tuple[dict, dict]:
-    """Model and optimizer state keyed by parameter name, the same form under every
-    strategy; sharded tensors stay DTensors (DCP writes each shard once)."""
-    if is_zero(optimizer):
-        return get_model_state_dict(model), gather_optimizer_state(
-            model, cast("ZeroRedundancyOptimizer", optimizer))
-    fresh = not optimizer.state
-    with _unhooked(optimizer):
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-    if fresh:  # no step yet: save it as it is (Adam's step count must stay 0)
-        optimizer.state.clear()
-        optimizer_state["state"] = {}
-    return model_state, optimizer_state
-
-
-def load_model_and_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                                   model_state: dict, optimizer_state: dict) -> None:
-    """Load what ``model_and_optimizer_state`` gave, from any strategy, into this one."""
-    if is_zero(optimizer):
-        set_model_state_dict(model, model_state)
-        load_optimizer_state(model, cast("ZeroRedundancyOptimizer", optimizer), optimizer_state)
-    elif any(isinstance(p, int) for group in optimizer_state["param_groups"]
-             for p in group["params"]):
-        # Written before checkpoints were keyed by name: the optimizer's own numbering.
-        set_model_state_dict(model, model_state)
-        optimizer.load_state_dict(optimizer_state)
-    else:
-        with _unhooked(optimizer):
-            set_state_dict(model, optimizer, model_state_dict=model_state,
-                           optim_state_dict=optimizer_state)
+                f"{accumulate} micro-batches to keep the global batch of {global_batch}")
+        return accumulate
 
 
 def _finite(t: Trainer) -> bool:

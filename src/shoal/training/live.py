@@ -18,29 +18,21 @@ state (each meeting gives every group the others'), and redoes the steps since.
 
 from __future__ import annotations
 
-import copy
 import sys
 from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from shoal.data.sharding import position_after
 from shoal.errors import UsageError
 from shoal.ft import ReplicaPlace
 from shoal.ft.across import AcrossGroups
-from shoal.ft.session import LiveSession, Redo
-from shoal.parallel.zero import is_zero, load_local_optimizer_state, local_optimizer_state
+from shoal.ft.session import LiveSession, StepOutcome
 from shoal.training.batches import loss_of
-from shoal.training.checkpointing import (
-    load_model_and_optimizer_state,
-    model_and_optimizer_state,
-)
-from shoal.training.epoch_loss import EpochLoss
 from shoal.training.harness import seed_everything
+from shoal.training.state import gradients
 
 Trainer = Any  # a shoal.Trainer (not imported: its module imports this one)
 
@@ -64,91 +56,24 @@ def open_live(trainer: Trainer) -> LiveSession | None:
                          "fault_tolerance.mode 'restart'")
     h = trainer.harness
     h.replica_groups = (place.groups, place.group)
+
     def record(step: int, **fields: Any) -> None:  # a change of who takes part, in metrics
         if trainer._metrics is not None:
             trainer._metrics.record("event", step, **fields)
 
-    periodic = _periodic(trainer)
-    feedback = c.compression.name in ("powersgd", "topk")  # a residual per rank (ddp)
-    session = LiveSession(
-        place, h.rank, h.world_size, state=lambda: live_state(trainer),
-        load=lambda state: load_live_state(trainer, state), record=record,
-        wire=_WIRE.get(c.compression.name), periodic=periodic,
-        private=(lambda: private_state(trainer)) if periodic or feedback else None,
-        restore=(lambda kept: h.comm.load_state_dict(kept["comm"])) if feedback else None,
-        blank=lambda: [torch.zeros_like(g) for g in gradients(trainer.model, fill=False)])
-    if periodic:
+    session = LiveSession(place, h.rank, h.world_size, trainer.state, record=record,
+                          wire=_WIRE.get(c.compression.name),
+                          # a residual per rank (ddp)
+                          feedback=c.compression.name in ("powersgd", "topk"))
+    if session.periodic:
         h.comm.across = session.meet
     if isinstance(h.comm, AcrossGroups):  # the gradients cross the groups in DDP's hook
         h.comm.replica = session.replica
-    session.step_now = lambda: trainer.global_step
     return session
 
 
 # Compressions that apply across groups too: stateless, the same rounding on every rank.
 _WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def live_state(t: Trainer) -> dict[str, Any]:
-    """Everything a replacement needs to continue exactly as a live group will.
-
-    Rank r of a group heals from rank r of a live group (torchft's manager pairs them),
-    and the groups have the same layout, so each rank sends only what it holds itself (its
-    shards under zero2 and fsdp): no collective inside the group, whose other ranks may be
-    receiving at the same time (at the start every rank syncs from a group of its own)."""
-    if is_zero(t.optimizer):  # the whole optimizer state would be gathered: this share
-        model = get_model_state_dict(t.state_model)
-        optimizer = local_optimizer_state(t.optimizer)
-    else:
-        model, optimizer = model_and_optimizer_state(t.state_model, t.optimizer)
-    return {"model": model, "optimizer": optimizer,
-            "scaler": t.harness.precision.state_dict(),
-            "lr_scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler else None,
-            "global_step": t.global_step, "epoch": t.epoch, "position": t.step_position,
-            "accumulate": t.accumulate, "skipped_steps": list(t.skipped_steps),
-            "epoch_loss": t.epoch_loss.state(),
-            # DDP's buckets: cut for good here, or about to be (a replacement cuts its own
-            # alike, see settle)
-            "settled": isinstance(t.harness.comm, AcrossGroups) and (
-                t.harness.comm.settled or t.harness.comm.settle_due),
-            **({"comm": t.harness.comm.state_dict()} if _periodic(t) else {})}
-
-
-def _periodic(t: Trainer) -> bool:
-    return t.config.strategy in ("local_sgd", "diloco")
-
-
-def private_state(t: Trainer) -> dict[str, Any]:
-    """What differs between this rank and the same rank of the other groups, which
-    ``live_state`` does not hold: under local_sgd and diloco after a meeting, the inner
-    optimizer, loss scale and skipped steps; under powersgd and topk, the compression state
-    (its error feedback)."""
-    if not _periodic(t):
-        return {"comm": t.harness.comm.state_dict()}
-    _, optimizer = model_and_optimizer_state(t.state_model, t.optimizer)
-    return {"optimizer": optimizer, "scaler": t.harness.precision.state_dict(),
-            "skipped_steps": list(t.skipped_steps)}
-
-
-def load_live_state(t: Trainer, state: dict[str, Any]) -> None:
-    if is_zero(t.optimizer):
-        set_model_state_dict(t.state_model, state["model"])
-        load_local_optimizer_state(t.optimizer, state["optimizer"])
-    else:
-        load_model_and_optimizer_state(t.state_model, t.optimizer, state["model"],
-                                       state["optimizer"])
-    t.harness.precision.load_state_dict(state["scaler"])
-    if t.lr_scheduler is not None:
-        t.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    t.global_step, t.epoch, t.step_position = (state["global_step"], state["epoch"],
-                                               state["position"])
-    t.accumulate = state["accumulate"]
-    t.epoch_loss = EpochLoss.taken_over(t.harness.device, state["epoch_loss"])
-    t.skipped_steps = list(state["skipped_steps"])
-    if "comm" in state:
-        t.harness.comm.load_state_dict(state["comm"])
-    if isinstance(t.harness.comm, AcrossGroups):
-        t.harness.comm.settle_due = state["settled"] and not t.harness.comm.settled
 
 
 def check_loader(loader: DataLoader) -> None:
@@ -158,23 +83,23 @@ def check_loader(loader: DataLoader) -> None:
                          "sampler) that shoal splits itself")
 
 
-def begin_step(t: Trainer, loader: DataLoader, batch: int) -> None:
-    """Before the first micro-batch of a step (the loader's ``batch``): meet the other
-    groups (a replacement heals here, and raises Redo), and seed the step."""
-    t.step_position = position_after(loader, batch)
+def begin_step(t: Trainer) -> StepOutcome:
+    """Before the first micro-batch of a step: meet the other groups, and seed the step.
+    HEALED: this group now holds a live group's state (training goes on from its step and
+    data position); else GO."""
     live, comm = t.live, t.harness.comm
     if live.periodic:  # local_sgd, diloco: a meeting when one is due
-        healed = live.join(comm.contribution)  # (computed only to join)
-        if comm.due or healed:
+        outcome = live.join(comm.contribution)  # (computed only to join)
+        if outcome is StepOutcome.HEALED:  # 'exact': redo the steps since the meeting
+            return outcome
+        if comm.due or live.joins_meeting:
             t.harness.synchronize()
-        if healed or live.redo:  # 'available': now at a live group's step
-            live.redo = False
-            raise Redo()
-        if live.round_due:
-            live.keep_round(copy.deepcopy(live_state(t)))
+        outcome = live.after_meeting()
     else:
-        live.begin_step()
-    seed_step(t)
+        outcome = live.begin_step()
+    if outcome is StepOutcome.GO:
+        seed_step(t)
+    return outcome
 
 
 def before_backward(t: Trainer, loss: torch.Tensor) -> None:
@@ -182,23 +107,28 @@ def before_backward(t: Trainer, loss: torch.Tensor) -> None:
     (``shoal.ft.across``), the step's loss sums start across the groups now, as backward
     computes."""
     if isinstance(t.harness.comm, AcrossGroups):
-        t.live.send_numbers(t.epoch_loss.step_sum(coming=loss), t.harness.comm)
+        t.live.send_numbers(t.state.epoch_loss.step_sum(coming=loss), t.harness.comm)
 
 
-def end_step(t: Trainer, window_samples: int | None) -> None:
-    """After backward: average the gradients over the groups; raises Redo when the step
-    does not commit (nothing of it is applied). (local_sgd, diloco: the step's samples
-    are counted, for what a missing group skips.)"""
-    if t.live.periodic:
-        t.live.round_samples += (window_samples or 0) // t.harness.replica_groups[0]
-        return
+def end_step(t: Trainer, window_samples: int | None) -> StepOutcome:
+    """After backward: average the gradients over the groups. COMMITTED, or AGAIN: the
+    step did not commit, and nothing of it is applied (its gradients and losses are taken
+    back). (local_sgd, diloco: the step's samples are counted, for what a missing group
+    skips.)"""
+    live, state = t.live, t.state
+    samples = (window_samples or 0) // t.harness.replica_groups[0]
+    if live.periodic:
+        live.count_samples(samples)
+        return StepOutcome.COMMITTED
     averaged = isinstance(t.harness.comm, AcrossGroups)  # in backward already
-    if not t.live.end_step([] if averaged else gradients(t.model),
-                           (window_samples or 0) // t.harness.replica_groups[0],
-                           t.global_step, t.epoch_loss.step_sum()):
+    outcome = live.end_step([] if averaged else gradients(t.model), samples,
+                            state.global_step, state.epoch_loss.step_sum())
+    if outcome is StepOutcome.AGAIN:
         t.optimizer.zero_grad(set_to_none=True)
-        raise Redo()
-    t.epoch_loss.take_step(*t.live.step_losses)  # every group's, as DDP over them sums
+        state.epoch_loss.rewind()
+    else:
+        state.epoch_loss.take_step(*live.step_losses)  # every group's, as DDP over them sums
+    return outcome
 
 
 def settle(t: Trainer, batch: Any) -> None:
@@ -229,22 +159,5 @@ def settle(t: Trainer, batch: Any) -> None:
 def seed_step(t: Trainer) -> None:
     """Seed this rank's random numbers for the next step."""
     h = t.harness
-    seed_everything((t.config.seed * 1_000_003 + t.global_step) * 65_537 + h.data_rank)
-
-
-def gradients(model: torch.nn.Module, fill: bool = True) -> list[torch.Tensor]:
-    """This rank's gradients (its shards under FSDP), zeros where a parameter has none, so
-    that every group sends the same tensors (``fill=False``: the parameters, where none has
-    a gradient yet, for their shapes)."""
-    grads = []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if p.grad is None:
-            if not fill:
-                grads.append(p.to_local() if isinstance(p, DTensor) else p)
-                continue
-            p.grad = torch.zeros_like(p)
-        g = p.grad
-        grads.append(g.to_local() if isinstance(g, DTensor) else g)
-    return grads
+    seed_everything((t.config.seed * 1_000_003 + t.state.global_step) * 65_537
+                    + h.data_rank)

@@ -44,13 +44,14 @@ class Preempted(BaseException):
 class PreemptionWatch:
     """Catches the preemption signals and tells, at each step, whether all ranks stop."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, waiting: Callable[[], bool] | None = None):
+        """``waiting()``: whether the rank now waits for the other replica groups (then a
+        signal raises ``Preempted`` at once)."""
         self.device = device
         self.received: int | None = None
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
-        self.waiting: Callable[[], bool] = lambda: False
-        """Whether the rank now waits for the other replica groups (then a signal raises)."""
+        self._waiting = waiting
 
     def start(self) -> None:
         """Catch the signals (only the main thread may install handlers)."""
@@ -67,7 +68,7 @@ class PreemptionWatch:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.received = signum
-        if self.waiting():
+        if self._waiting is not None and self._waiting():
             raise Preempted(signum)
 
     def _settle(self) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from shoal.data.sharding import (
 )
 from shoal.errors import NonFiniteError, UsageError
 from shoal.ft import ReplicaPlace
-from shoal.ft.session import Redo
+from shoal.ft.session import StepOutcome
 from shoal.metrics.recorder import StepMetrics
 from shoal.parallel.pipeline_parallel import PipelineModel
 
@@ -44,7 +44,7 @@ from shoal.training.batches import (
 )
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
-from shoal.training.epoch_loss import Carried, EpochLoss, per_step
+from shoal.training.epoch_loss import EpochLoss
 from shoal.training.evaluation import validate
 from shoal.training.harness import Harness, seed_everything
 from shoal.training.live import (
@@ -58,6 +58,7 @@ from shoal.training.live import (
 from shoal.training.preemption import Preempted, PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
+from shoal.training.state import TrainState
 
 if TYPE_CHECKING:
     from shoal.ft.session import LiveSession
@@ -145,16 +146,11 @@ class Trainer:
                              "lr_scheduler as a function of the optimizer (e.g. lambda opt: "
                              "torch.optim.lr_scheduler.StepLR(opt, 10))")
         self.lr_scheduler = lr_scheduler
-        self.global_step = 0
-        self.epoch = 0
-        self.accumulate = c.accumulate_grad_batches  # resuming on another W may change it
-        self._position: int | None = 0  # global samples of the epoch consumed so far
-        self.step_position: int | None = 0  # where the step under way began (live mode)
-        self.epoch_loss = EpochLoss(self.harness.device)  # the epoch's so far (checkpoints)
-        self._carried_loss: Carried | None = None  # a mid-epoch resume's sums
+        # What a step changes: what checkpoints save and a replacement group heals from.
+        self.state = TrainState(self.harness, self.state_model, self.optimizer, lr_scheduler,
+                                c.accumulate_grad_batches)
         self.live: LiveSession | None = None  # the live session while fit runs in a live job
         self.history: list[dict[str, float]] = []
-        self.skipped_steps: list[int] = []  # steps skipped for non-finite gradients
         self._preemption: PreemptionWatch | None = None
         self._metrics: StepMetrics | None = None
         self.run_config: dict | None = None  # the resolved run config, kept in checkpoints
@@ -163,6 +159,20 @@ class Trainer:
         self.checkpointing = Checkpointing(
             self, c.checkpoint_dir, c.checkpoint_every, c.keep_last, c.async_checkpoint,
             c.checkpoint_every_seconds) if c.checkpoint_dir else None
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (skipped ones included)."""
+        return self.state.global_step
+
+    @property
+    def epoch(self) -> int:
+        return self.state.epoch
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        """Steps skipped for non-finite gradients (``nonfinite='skip'``)."""
+        return self.state.skipped_steps
 
     @property
     def module(self) -> nn.Module:
@@ -227,20 +237,19 @@ class Trainer:
         loader = self._loader(train_data, evaluation=False)
         if self.live is not None:
             check_loader(loader)
-        consumed = 0
         if c.resume:  # a path without checkpoint_dir is read, and nothing is written
             # (A live group other than 0 reads the checkpoints group 0 writes.)
             directory = c.checkpoint_dir if c.resume == "auto" else str(Path(c.resume).parent)
             assert directory is not None  # the config requires checkpoint_dir for 'auto'
             reader = self.checkpointing or Checkpointing(self, directory, every=None,
                                                          keep_last=c.keep_last)
-            consumed, self._carried_loss = reader.resume(c.resume)
+            reader.resume(c.resume)
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.reports)
         metrics: dict[str, float] = {}
-        self._preemption = PreemptionWatch(self.harness.device) if self.checkpointing else None
-        if self._preemption and self.live is not None:
-            self._preemption.waiting = lambda: cast("LiveSession", self.live).in_quorum
+        self._preemption = PreemptionWatch(
+            self.harness.device, waiting=self.live.waiting if self.live is not None else None
+        ) if self.checkpointing else None
         h = self.harness
         self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size,
                                     self.flops_per_token, c.precision,
@@ -255,20 +264,16 @@ class Trainer:
         try:
             if self._preemption:
                 self._preemption.start()
-            again = False  # the epoch goes on after a step done again (live recovery)
             while not self._finished(epochs, max_steps):
                 try:
-                    train, epoch_done = self._train_epoch(loader, progress, max_steps,
-                                                          consumed, again)
-                except Redo:  # live recovery: the step starts again where it began
-                    consumed = cast(int, self.step_position)  # live: a loader with positions
-                    again = True
-                    continue
+                    ran = self._train_epoch(loader, progress, max_steps)
                 except Preempted as stop:  # while waiting for the other replica groups
                     assert self.live is not None  # raised only while a live session waits
-                    self.live.leaving = preemption_exit_code(stop.signum)
-                    self._stop_for(stop.signum, self.step_position)
-                consumed, again = 0, False
+                    self.live.exit_on_close(preemption_exit_code(stop.signum))
+                    self._stop_for(stop.signum)
+                if isinstance(ran, StepOutcome):  # live: a step done again, or healed
+                    continue  # on from the state's step and data position
+                train, epoch_done = ran
                 if not epoch_done or self._finished(epochs, max_steps, self.epoch + 1):
                     self.harness.synchronize()  # replicas that train apart end as one
                 metrics = {"epoch": self.epoch, **train}
@@ -280,13 +285,10 @@ class Trainer:
                                                 if k.startswith("val_")})
                 self.history.append(metrics)
                 self._report_epoch(metrics, progress)
-                if epoch_done:
-                    self.epoch += 1
-                else:  # stopped by max_steps inside the epoch: it goes on from here
-                    consumed = self._position or 0
+                if not epoch_done:  # stopped by max_steps inside the epoch
                     break
+                self.state.next_epoch()
             if self.live is not None:
-                self.step_position = consumed  # what a group behind would heal to
                 self.live.finish()
             result = {**metrics, "global_step": self.global_step}
             if self._metrics:
@@ -302,7 +304,7 @@ class Trainer:
                 self.live.close()
         if self.checkpointing:
             if self.checkpointing.saved_step != self.global_step:
-                self.checkpointing.save(consumed)
+                self.checkpointing.save()
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
         return result
 
@@ -315,28 +317,26 @@ class Trainer:
     def _total_steps(self, loader: DataLoader, epochs: int | None, max_steps: int | None
                      ) -> int | None:
         try:
-            per_epoch = math.ceil(len(loader) / self.accumulate)
+            per_epoch = math.ceil(len(loader) / self.state.accumulate)
         except TypeError:
             return max_steps
         total = per_epoch * epochs if epochs is not None else None
         return min(x for x in (total, max_steps) if x is not None) if total or max_steps else None
 
-    def _train_epoch(self, loader: DataLoader, progress: Progress, max_steps: int | None,
-                     consumed: int, again: bool = False) -> tuple[dict[str, float], bool]:
-        """One epoch from ``consumed`` samples on; returns (metrics, reached its end).
-        ``again``: it goes on after a step that did not commit (its losses are taken back)."""
-        h, model, k = self.harness, self.model, self.accumulate
+    def _train_epoch(self, loader: DataLoader, progress: Progress, max_steps: int | None
+                     ) -> tuple[dict[str, float], bool] | StepOutcome:
+        """The epoch from the state's data position on: (metrics, reached its end); or, in
+        a live job, a step's outcome that moves the run elsewhere (AGAIN: the step starts
+        again where it began; HEALED: on from a live group's step)."""
+        h, model, state = self.harness, self.model, self.state
+        k = state.accumulate
         model.train()
-        if not set_epoch(loader, self.epoch, consumed):
-            consumed = 0  # this loader cannot start mid-epoch: the epoch starts over
+        first = state.position or 0  # the epoch's samples before this pass
+        if not set_epoch(loader, state.epoch, first) and first:
+            # This loader cannot start mid-epoch: the epoch starts over.
+            first = state.position = 0
+            state.epoch_loss = EpochLoss(h.device)
         length = agreed_length(loader, h.device)
-        carried, self._carried_loss = self._carried_loss, None
-        if again:
-            self.epoch_loss.rewind()
-        else:  # a checkpoint's sums so far count once, on rank 0, and only mid-epoch
-            self.epoch_loss = EpochLoss(h.device, carried if consumed and h.rank == 0
-                                        else None,
-                                        per_step=per_step(h.world_size, h.replica_groups[0], k))
         micro_batches = samples = 0
         step_loss: torch.Tensor | int  # a tensor once the window's first loss is added
         traffic = h.traffic
@@ -359,8 +359,10 @@ class Trainer:
                 window_samples = samples_between(loader, i, i + window)
                 step_loss, step_samples, step_tokens = 0, 0, 0
                 if self.live is not None:  # meet the other replica groups (may heal)
-                    self.epoch_loss.mark()  # what a step done again goes back to
-                    begin_step(self, loader, i)
+                    state.epoch_loss.mark()  # what a step done again goes back to
+                    outcome = begin_step(self)
+                    if outcome is not StepOutcome.GO:
+                        return outcome
             batch = h.to_device(batch)
             if self.live is not None and position == 0:
                 settle(self, batch)  # a replacement cuts DDP's buckets as the others have
@@ -379,7 +381,7 @@ class Trainer:
                     h.backward(self._scaled(loss, window, window_samples, n))
             if clock:
                 clock.lap("forward_backward")
-            self.epoch_loss.add(loss)
+            state.epoch_loss.add(loss)
             micro_batches += 1
             samples += n
             if self._metrics:
@@ -392,8 +394,10 @@ class Trainer:
             if length is None and position + 1 < k:
                 # The stream ended inside a window: its gradients were divided by k.
                 _rescale_gradients(model, k / (position + 1))
-            if self.live is not None:  # the mean over the groups (or Redo)
-                end_step(self, window_samples)
+            if self.live is not None:  # the mean over the groups
+                outcome = end_step(self, window_samples)
+                if outcome is not StepOutcome.COMMITTED:
+                    return outcome
             self._optimizer_step(position_after(loader, micro_batches), loss)
             if self._metrics:
                 self._metrics.step(self.global_step, self.epoch,
@@ -401,7 +405,7 @@ class Trainer:
                                    cast(torch.Tensor, step_loss) / (position + 1),
                                    h.last_grad_norm,
                                    step_samples, step_tokens, h.last_comm)
-            self._checkpoint_step(self._position)
+            self._checkpoint_step()
             if progress.wants_update():
                 rate = samples * h.data_ranks / (time.perf_counter() - start)
                 progress.update(self.global_step, self.epoch, loss.item(), rate)
@@ -410,10 +414,10 @@ class Trainer:
             if max_steps is not None and self.global_step >= max_steps:
                 stopped = not last_batch
                 break
-        if micro_batches == 0 and consumed == 0:
+        if micro_batches == 0 and first == 0:
             raise UsageError("the training data gave no batch this epoch (on every rank): "
                              "is the dataset smaller than world size x batch size?")
-        metrics = {"train_loss": self.epoch_loss.mean(h.world_size)}
+        metrics = {"train_loss": state.epoch_loss.mean(h.world_size)}
         steps = traffic.steps - before[0]
         if steps:  # this rank's view; the bytes are the same on every rank
             metrics.update(step_time_s=(time.perf_counter() - start) / steps,
@@ -431,7 +435,7 @@ class Trainer:
         if self.config.nonfinite == "stop":
             raise NonFiniteError(f"non-finite gradients at step {step} ({where}); set "
                                  "nonfinite='skip' to skip such steps")
-        self.skipped_steps.append(step)
+        self.state.skipped_steps.append(step)
         if self.harness.is_main:
             print(f"shoal: skipped step {step}: non-finite gradients ({where})",
                   file=sys.stderr, flush=True)
@@ -455,7 +459,8 @@ class Trainer:
         share = samples * self.harness.data_ranks
         return 1 / window if total is None or share * window == total else share / total
 
-    def _optimizer_step(self, consumed: int | None, loss: torch.Tensor | None = None) -> None:
+    def _optimizer_step(self, position: int | None, loss: torch.Tensor | None = None) -> None:
+        """The step; the data position is then ``position``."""
         c = self.config
         clock = self._metrics.clock if self._metrics else None
         if clock:
@@ -471,30 +476,29 @@ class Trainer:
             self._non_finite(loss)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.global_step += 1
+        self.state.step_taken(position)
         heartbeat(self.global_step)
-        self._position = consumed
 
-    def _checkpoint_step(self, consumed: int | None) -> None:
+    def _checkpoint_step(self) -> None:
         """After the step's metrics are recorded: a checkpoint when one is due (the figures
         of its steps are written first: a run killed after it loses none), and the stop a
         preemption signal asks for."""
         if self.checkpointing:
-            self.checkpointing.after_step(consumed)
+            self.checkpointing.after_step()
             if self._preemption:
                 signum, save_now = self._preemption.poll(self.checkpointing.time_due())
                 if save_now and self.checkpointing.saved_step != self.global_step:
-                    self.checkpointing.save(consumed)
+                    self.checkpointing.save()
                 if signum:
-                    self._stop_for(signum, consumed)
+                    self._stop_for(signum)
             if self._metrics:
                 self._metrics.clock.skip()  # a save's time is the next step's 'other'
 
-    def _stop_for(self, signum: int, consumed: int | None) -> None:
+    def _stop_for(self, signum: int) -> None:
         """Every rank is here at the same step: save, then exit with 128 + signal."""
         assert self.checkpointing is not None  # preemption is watched only with checkpoints
         if self.checkpointing.saved_step != self.global_step:
-            self.checkpointing.save(consumed)
+            self.checkpointing.save()
         self.checkpointing.store.wait()
         if self._metrics:  # the end-of-run table of this part of the run, in MLflow too
             self._metrics.finish(show_summary=False)
