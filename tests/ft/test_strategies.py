@@ -13,6 +13,8 @@ were measured against the 4-process job once (TOLERANCE).
 
 from __future__ import annotations
 
+import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,26 @@ def test_half_precision_compression_across_groups(runs, compression):
     live, reference = _finals(out), _finals(runs.wait(f"ddp-{compression}")[0])
     assert all(states_equal(live[f"final.g{i}.r0.pt"], reference[f"final.g0.r{i}.pt"])
                for i in (0, 1))
+
+
+def test_topk_across_groups_is_ddps_topk(runs, tmp_path):
+    """topk gathers the groups' selections in DDP's hook as the ranks of one process group
+    do: 2 groups x 1 under 'exact', a group killed mid-step (its replacement redoes its
+    steps since the hand-over of the error feedback), end bitwise equal to today's
+    2-process DDP run of topk without failures."""
+    runs.start("compress-topk", "--replica-groups", "2", "--max-restarts", "1",
+               job=f"--compression topk --kill 1:6 --metrics {tmp_path / 'live'}")
+    runs.start("ddp-topk", "--nproc-per-node", "2",
+               job=f"--compression topk --metrics {tmp_path / 'ddp'}")
+    out, output = runs.wait("compress-topk")
+    assert "replica group 1: healed from a live group" in output
+    assert "alone while the other groups wait" in output
+    live, reference = _finals(out), _finals(runs.wait("ddp-topk")[0])
+    assert all(states_equal(live[f"final.g{i}.r0.pt"], reference[f"final.g0.r{i}.pt"])
+               for i in (0, 1))
+    # What crosses the groups a step is the selections DDP gathers (and the step's
+    # numbers), not the whole gradient.
+    sent = {run: statistics.median(
+        e["comm_bytes"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        if (e := json.loads(line)).get("type") == "step") for run in ("live", "ddp")}
+    assert sent["ddp"] <= sent["live"] <= sent["ddp"] + 256, sent

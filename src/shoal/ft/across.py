@@ -1,5 +1,5 @@
 """The average across replica groups inside DDP's own reduction (live mode, groups of one
-process each, strategy ddp, compression none, fp16 or bf16).
+process each, strategy ddp, compression none, fp16, bf16 or topk).
 
 Such a group's model is a DDP model over a process group of its own, and its communication
 hook sends each bucket to the same bucket of the other groups, as DDP among R processes
@@ -14,9 +14,15 @@ groups compute without failures (the longer first bucket changes gloo's chunks).
 fp16 and bf16 the bucket goes in that precision, divided first, as torch's compression
 hooks do, and the numbers in an all-reduce of their own.
 
-A sum that fails (a group lost during the step) never raises inside backward: the step is
-marked as errored and does not commit (``shoal.ft.session``). Groups of several processes,
-and the other strategies and compressions, average after backward instead.
+Under topk each group selects from its whole gradient (with its own error feedback), and
+the groups gather their selections as the ranks of one process group do
+(``TopKAcrossGroups``), with the step's numbers at the end of each group's message; a
+selection follows the model's parameter order, not the buckets', so a replacement needs no
+settling.
+
+A sum or gather that fails (a group lost during the step) never raises inside backward: the
+step is marked as errored and does not commit (``shoal.ft.session``). Groups of several
+processes, powersgd, and the other strategies average after backward instead.
 
 Every group must cut its buckets alike. DDP's first backward in a process sends the whole
 model as one bucket, and the next forward cuts the buckets anew, in the order its gradients
@@ -32,7 +38,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from shoal.parallel.traffic import Traffic, all_reduce_bytes
+from shoal.parallel.compression import CompressionConfig
+from shoal.parallel.topk import TopKHook
+from shoal.parallel.traffic import Traffic, all_gather_bytes, all_reduce_bytes
 
 if TYPE_CHECKING:
     from shoal.ft.engine import Replica
@@ -43,7 +51,13 @@ _WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 def averages_in_hook(strategy: str, compression: str, group_size: int) -> bool:
     """Whether a live group's gradients cross the groups inside DDP's hook (else after
     backward)."""
-    return strategy == "ddp" and compression in _WIRE and group_size == 1
+    return strategy == "ddp" and (compression in _WIRE or compression == "topk") \
+        and group_size == 1
+
+
+def in_hook(comm: object) -> bool:
+    """Whether ``comm`` (a harness's) sends the gradients across the groups in backward."""
+    return isinstance(comm, (AcrossGroups, TopKAcrossGroups))
 
 
 class AcrossGroups:
@@ -118,10 +132,67 @@ class AcrossGroups:
         pass
 
 
+class TopKAcrossGroups(TopKHook):
+    """topk's hook, whose ranks are the groups of the step: each group's selection is
+    gathered from every group on the quorum's process group, and their sum divided by the
+    groups taking part. The live session gives it ``replica`` when it opens; before, and
+    while ``muted`` (a replacement redoing steps alone), a group's selection stays its
+    own."""
+
+    def __init__(self, model: torch.nn.Module, ratio: float, traffic: Traffic):
+        super().__init__(model, ratio, traffic)
+        self.replica: Replica | None = None
+        self.muted = False
+        self._carried: torch.Tensor | None = None
+
+    def carry(self, numbers: torch.Tensor) -> bool:
+        """Have ``numbers`` (float32) summed over the groups with the coming backward's
+        gather: at the end of each group's message, summed once gathered (each is a sum
+        of exact parts: the same as an all-reduce's)."""
+        if self.replica is None:
+            return False
+        self._carried = numbers
+        return True
+
+    def blank(self, numbers: torch.Tensor, dtype: torch.dtype) -> None:
+        """A step's gather for a group that brings nothing to it: zeros in place of a
+        selection of ``dtype`` values, with ``numbers`` (summed in place)."""
+        assert self.replica is not None  # a live session's
+        payload = torch.zeros(self.payload_bytes(dtype), dtype=torch.uint8)
+        self._carried = numbers
+        self._gather(payload)[0].wait()
+
+    def _gather(self, payload: torch.Tensor
+                ) -> tuple[torch.futures.Future[torch.Tensor], int]:
+        carried, self._carried = self._carried, None
+        if self.replica is None or self.muted:
+            return super()._gather(payload)  # a group of one process: its own
+        groups = self.replica.participants
+        n = payload.numel()
+        sent = payload if carried is None else torch.cat(
+            [payload, carried.to(payload.device).view(torch.uint8)])
+        self.traffic.sent(all_gather_bytes(sent.numel(), groups))
+        self.traffic.launched()
+
+        def rows(gathered: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            self.traffic.done()
+            every = gathered.value()
+            if carried is not None:  # (float64: exact for these sums)
+                numbers = every[:, n:].contiguous().view(torch.float32)
+                carried.copy_(numbers.double().sum(0).to(carried.dtype))
+            return every[:, :n]
+
+        return self.replica.start_gather(sent).then(rows), groups
+
+
 def apply_across_groups(model: DistributedDataParallel, traffic: Traffic,
-                        compression: str = "none") -> AcrossGroups:
+                        compression: CompressionConfig) -> AcrossGroups | TopKAcrossGroups:
     """Register the hook on ``model`` (a live group's DDP over its one process)."""
+    if compression.name == "topk":
+        topk = TopKAcrossGroups(model.module, compression.ratio, traffic)
+        model.register_comm_hook(topk, TopKAcrossGroups.hook)
+        return topk
     fp32 = all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
-    state = AcrossGroups(traffic, compression, fp32)
+    state = AcrossGroups(traffic, compression.name, fp32)
     model.register_comm_hook(state, AcrossGroups.hook)
     return state

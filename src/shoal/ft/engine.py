@@ -272,6 +272,39 @@ class Replica:
 
         return started.then(finished)
 
+    def start_gather(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Every group's ``tensor`` (a 1-d tensor of the same length in each), as the rows
+        of a (groups, length) tensor, on the process group the quorum configured. A group
+        that does not take part in the step sends zeros. Never fails, as ``start_sum``: a
+        failed gather marks the step as errored (the step does not commit), and its rows
+        are then zeros."""
+        import torch
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        m = self._manager
+        failed = tensor.new_zeros(1, tensor.numel())
+        if m.errored():
+            self.drop()  # as in start_sum
+            return _done(failed)
+        if not m.is_participating():
+            tensor.zero_()
+        try:
+            rows = [torch.empty_like(tensor) for _ in range(m._pg.size())]
+            started = m._pg.allgather([rows], [tensor], AllgatherOptions()).get_future()
+        except Exception as exc:  # noqa: BLE001 - the process group is already gone
+            m.report_error(exc)
+            return _done(failed)
+
+        def finished(future: torch.futures.Future) -> torch.Tensor:
+            try:
+                future.wait()
+            except Exception as exc:  # noqa: BLE001 - a lost group, a timeout
+                m.report_error(exc)
+                return failed
+            return torch.stack(rows)
+
+        return started.then(finished)
+
     def abstain(self) -> None:
         """Vote against committing the step under way (every group then does it again)."""
         self._manager.report_error(RuntimeError("a replica group is catching up"))

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from shoal.ft.across import AcrossGroups
+from shoal.ft.across import AcrossGroups, TopKAcrossGroups
 from shoal.ft.config import ReplicaPlace
 from shoal.ft.engine import Quorum
 from shoal.runtime import heartbeat
@@ -125,6 +125,9 @@ class LiveSession:
         self._asked = False  # a group asked for a full quorum in the step's average
         # The step's numbers, summed in backward, or their sum under way (send_numbers).
         self._sending: torch.Tensor | torch.futures.Future[torch.Tensor] | None = None
+        # Where the gradients cross the groups in DDP's hook (``attach``).
+        self._across: AcrossGroups | TopKAcrossGroups | None = None
+        self._brought, self._handing = 0, False  # what a logged step's numbers said
         self.step_losses: tuple[float, int] = (0.0, 0)
         """The last step's losses of this rank and the same rank of every other group: their
         sum (float64) and micro-batches (see ``end_step``)."""
@@ -194,6 +197,8 @@ class LiveSession:
     def begin_step(self) -> StepOutcome:
         """Meet the other groups for the next step (once, also when the step is started
         again after a heal): GO, or HEALED (this group now holds a live group's state)."""
+        if self._logged and self._across is not None:  # topk, in DDP's hook
+            self._across.muted = bool(self._replay)  # a step redone alone crosses nothing
         if self._replay:  # a logged step, redone alone
             return StepOutcome.GO
         if self._quorum is None:
@@ -216,11 +221,14 @@ class LiveSession:
         others wait at the next quorum."""
         self._quorum = None
         zeros = self.state.blank_gradients()
-        flags = torch.zeros(2, dtype=zeros[0].dtype if zeros else torch.float32,
-                            device=zeros[0].device if zeros else None)
         with heartbeat.waiting():
-            self._average([*zeros, flags])
-            if flags[1] > 0:  # the others hand over their compression state in this step
+            if isinstance(self._across, TopKAcrossGroups):  # the others gather in backward
+                numbers = self._numbers((0.0, 0), None, brings=False)
+                self._across.blank(numbers, zeros[0].dtype)
+                self._read(numbers)
+            else:
+                self._average(zeros, brings=False)
+            if self._handing:  # the others hand over their compression state in this step
                 self._gather(b"")
             self.replica.abstain()
             self.replica.commit()
@@ -275,9 +283,10 @@ class LiveSession:
                 time.sleep(0.2)
 
     def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int,
-                 losses: tuple[float, int] = (0.0, 0)) -> StepOutcome:
+                 losses: tuple[float, int] = (0.0, 0), averaged: bool = False
+                 ) -> StepOutcome:
         """Average ``grads`` over the groups of the step and vote: COMMITTED (apply the
-        step) or AGAIN. (No ``grads``: they were averaged in backward, by DDP's hook.)
+        step) or AGAIN. (``averaged``: they were averaged in backward, by DDP's hook.)
         ``samples``: this group's samples in the step (what a missing group skipped);
         ``losses``: this rank's loss sum in the step and its micro-batches, whose sum with
         the other groups' travels with the average (``step_losses``)."""
@@ -288,10 +297,9 @@ class LiveSession:
         quorum, self._quorum = self._quorum, None
         self._steady = False  # until this step commits with every group in it
         with heartbeat.waiting():  # each wait for the other groups has its own deadline
+            self._average([] if averaged else grads, losses)
             if self._logged:
-                self._average_logged(grads, losses)
-            else:
-                self._average(grads, losses)
+                self._hand_over()
             committed = self.replica.commit()
         if self._logged:
             self._log_step(grads if committed else None)
@@ -320,7 +328,7 @@ class LiveSession:
         return StepOutcome.COMMITTED
 
     def _average(self, tensors: Sequence[torch.Tensor],
-                 losses: tuple[float, int] = (0.0, 0)) -> None:
+                 losses: tuple[float, int] = (0.0, 0), brings: bool = True) -> None:
         """The mean over the groups of the step, with one more number: whether a group asks
         for a full quorum before the next step.
 
@@ -342,44 +350,56 @@ class LiveSession:
         elif sending is not None:  # started before backward (send_numbers)
             sent = sending.wait()
         else:
-            sent = self._numbers(losses, tensors[0] if tensors else None)
+            sent = self._numbers(losses, tensors[0] if tensors else None, brings)
             if tensors:
                 self.replica.average([*tensors, sent], self._wire, summed=len(sent))
             else:
                 self.replica.sum(sent)
-        got = sent.tolist()
-        self.step_losses = (sum(got[:3 * self.place.groups]), round(got[-2]))
-        self._asked = got[-1] > 0
+        self._read(sent)
 
-    def send_numbers(self, losses: tuple[float, int], across: AcrossGroups) -> None:
-        """When the gradients cross the groups in backward (``across``), before the step's
-        last backward: the step's numbers (see ``_average``) go with the first bucket where
-        they can, else their sum starts now, while backward computes."""
+    def _read(self, summed: torch.Tensor) -> None:
+        """What the step's numbers (``_numbers``), summed over the groups, say."""
+        got, losses = summed.tolist(), 3 * self.place.groups
+        self.step_losses = (sum(got[:losses]), round(got[losses]))
+        self._asked = got[losses + 1] > 0
+        if self._logged:
+            self._brought, self._handing = round(got[losses + 2]), got[losses + 3] > 0
+
+    def send_numbers(self, losses: tuple[float, int]) -> None:
+        """When the gradients cross the groups in backward (``attach``), before the step's
+        last backward: the step's numbers (see ``_average``) go with the gradients where
+        they can, else their sum starts now, while backward computes. (Not for a step redone
+        alone.)"""
+        assert self._across is not None  # attached
+        if self._replay:
+            return
         numbers = self._numbers(losses, None)
-        self._sending = numbers if across.carry(numbers) else self.replica.start_sum(numbers)
+        self._sending = (numbers if self._across.carry(numbers)
+                         else self.replica.start_sum(numbers))
 
-    def _numbers(self, losses: tuple[float, int], like: torch.Tensor | None) -> torch.Tensor:
+    def _numbers(self, losses: tuple[float, int], like: torch.Tensor | None,
+                 brings: bool = True) -> torch.Tensor:
         """The step's numbers: each group's loss sum in slots of its own, the micro-batches,
-        and whether this group asks for a full quorum."""
+        and whether this group asks for a full quorum; under 'exact' with error feedback,
+        two flags: this group brings its step (every group must, or none commits: a commit
+        vote is taken inside each group), and it hands over its compression state in this
+        step (then every group does)."""
         due = (not self.replica.alone
                or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
         groups, group = self.place.groups, self.place.group
         tail = [0.0] * (3 * groups) + [float(losses[1]), float(due)]
         tail[3 * group:3 * group + 3] = _parts(losses[0])
+        if self._logged:
+            tail += [float(brings), float(brings and self._pending is not None)]
         return torch.tensor(tail, dtype=like.dtype if like is not None else torch.float32,
                             device=like.device if like is not None else None)
 
-    def _average_logged(self, grads: Sequence[torch.Tensor],
-                        losses: tuple[float, int]) -> None:
-        """The mean with two flags: this group brings its step (every group must, or none
-        commits: a commit vote is taken inside each group), and it hands over its
-        compression state in this step (then every group does)."""
-        flags = torch.tensor([1.0, float(self._pending is not None)], dtype=grads[0].dtype,
-                             device=grads[0].device)
-        self._average([*grads, flags], losses)
-        self._gathered = (self._gather(self._serialized(self._kept)) if flags[1] > 0
+    def _hand_over(self) -> None:
+        """After a logged step's average: the hand-over of the compression state, when one
+        is due; a vote against the step when a group did not bring it."""
+        self._gathered = (self._gather(self._serialized(self._kept)) if self._handing
                           else None)
-        if round(float(flags[0]) * self.place.groups) < self.place.groups:
+        if self._brought < self.place.groups:
             self.replica.abstain()
 
     def _log_step(self, grads: Sequence[torch.Tensor] | None) -> None:
@@ -531,16 +551,37 @@ class LiveSession:
         return buffer.getvalue()
 
     def _gather(self, blob: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every group's ``blob``, as rows of bytes (row g: group g's, its length apart)."""
+        """Every group's ``blob``, as rows of bytes (row g: group g's, its length apart):
+        each group's number and length, then the blobs, padded to the longest, gathered
+        (a group missing from the step, or one that sends nothing, leaves its row empty)."""
         group, groups = self.place.group, self.place.groups
+        heads = self.replica.start_gather(
+            torch.tensor([group + 1, len(blob)], dtype=torch.int64)).wait()
+        longest = int(heads[:, 1].max())
+        rows = torch.zeros(groups, longest, dtype=torch.uint8)
         lengths = torch.zeros(groups, dtype=torch.int64)
-        lengths[group] = len(blob)
-        self.replica.sum(lengths)
-        rows = torch.zeros(groups, int(lengths.max()), dtype=torch.uint8)
+        if longest == 0:
+            return rows, lengths
+        padded = torch.zeros(longest, dtype=torch.uint8)
         if blob:
-            rows[group, :len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        self.replica.sum(rows)
+            padded[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        got = self.replica.start_gather(padded).wait()
+        for (number, length), row in zip(heads.tolist(), got, strict=False):
+            if number:  # (0: a group that did not take part)
+                rows[number - 1], lengths[number - 1] = row, length
         return rows, lengths
+
+    @property
+    def logs(self) -> bool:
+        """'exact' with error feedback: each step's mean is kept (``end_step`` needs the
+        gradients, also where they were averaged in backward)."""
+        return self._logged
+
+    def attach(self, across: AcrossGroups | TopKAcrossGroups) -> None:
+        """The gradients cross the groups in DDP's hook, ``across``: on this session's
+        process group across groups."""
+        across.replica = self.replica
+        self._across = across
 
     def waiting(self) -> bool:
         """Whether this process now waits for the other groups at a quorum."""

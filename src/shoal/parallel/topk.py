@@ -39,8 +39,21 @@ class TopKHook:
         self.traffic = traffic
         self.group = group
         self.names: dict[torch.Tensor, str] = {p: name for name, p in model.named_parameters()}
+        # The model's order: the selection, and every rank's positions, follow it, whatever
+        # the order of DDP's buckets.
+        self._order: dict[torch.Tensor, int] = {p: i for i, p in enumerate(model.parameters())}
         self.residuals: dict[str, torch.Tensor] = {}  # error feedback, per parameter
         self._held: list[tuple[dist.GradBucket, torch.futures.Future]] = []
+
+    def numel(self) -> int:
+        """The entries of the gradient a step selects from (every trained parameter's)."""
+        return sum(p.numel() for p in self._order if p.requires_grad)
+
+    def payload_bytes(self, dtype: torch.dtype) -> int:
+        """The bytes of a rank's message: ``k`` values of ``dtype`` and their int32
+        positions."""
+        k = max(1, int(self.numel() * self.ratio))
+        return k * (torch.empty((), dtype=dtype).element_size() + 4)
 
     @staticmethod
     def hook(state, bucket):  # no annotations: DDP checks them literally
@@ -52,64 +65,79 @@ class TopKHook:
 
     def _exchange(self) -> None:
         held, self._held = self._held, []
-        grads = [(self.names[p], g) for bucket, _ in held
-                 for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)]
+        grads = sorted(((p, g) for bucket, _ in held
+                        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)),
+                       key=lambda pair: self._order[pair[0]])
         flat = torch.cat([g.reshape(-1) for _, g in grads])
-        pending = [r.reshape(-1) for name, _ in grads if (r := self.residuals.get(name))
-                   is not None]
+        pending = [r.reshape(-1) for p, _ in grads
+                   if (r := self.residuals.get(self.names[p])) is not None]
         if len(pending) == len(grads):
             flat += torch.cat(pending)
         elif pending:
             raise RuntimeError("top-k residuals cover only part of the model")
         k = max(1, int(flat.numel() * self.ratio))
         positions, values, residual = select(flat, k)
+        spans: dict[torch.Tensor, slice] = {}
         offset = 0
-        for name, g in grads:
-            self.residuals[name] = residual[offset:offset + g.numel()].view_as(g)
+        for p, g in grads:
+            spans[p] = slice(offset, offset + g.numel())
+            self.residuals[self.names[p]] = residual[spans[p]].view_as(g)
             offset += g.numel()
         # One message per rank: the values' bytes, then the int32 positions' bytes.
         payload = torch.cat([values.view(torch.uint8),
                              positions.to(torch.int32).view(torch.uint8)])
-        world = dist.get_world_size(self.group)
-        gathered = payload if world == 1 else torch.empty(  # one process: nothing to gather
-            world * payload.numel(), dtype=torch.uint8, device=flat.device)
-        self.traffic.sent(all_gather_bytes(payload.numel(), world))
-        self.traffic.launched()
         n_value_bytes = values.numel() * values.element_size()
+        rows, divisor = self._gather(payload)
 
-        def finish() -> None:
-            self.traffic.done()
-            total = torch.zeros_like(flat)
-            for chunk in gathered.view(world, -1):
-                got_values = chunk[:n_value_bytes].view(flat.dtype)
-                got_positions = chunk[n_value_bytes:].view(torch.int32).long()
-                total.index_add_(0, got_positions, got_values)
-            total /= world
-            offset = 0
-            for bucket, future in held:
-                # Into the bucket's own buffer: DDP reads a result from its storage's start.
-                buffer = bucket.buffer()
-                buffer.copy_(total[offset:offset + buffer.numel()])
-                future.set_result(buffer)
-                offset += buffer.numel()
-
-        def scatter(gathered_future: torch.futures.Future) -> None:
+        def finish(gathered: torch.futures.Future[torch.Tensor]) -> None:
             try:
-                gathered_future.value()  # raises if the all-gather failed
-                finish()
+                total = torch.zeros_like(flat)
+                for chunk in gathered.value():  # raises if the gather failed
+                    got_values = chunk[:n_value_bytes].view(flat.dtype)
+                    got_positions = chunk[n_value_bytes:].view(torch.int32).long()
+                    total.index_add_(0, got_positions, got_values)
+                total /= divisor
+                for bucket, future in held:
+                    # Into the bucket's own buffer: DDP reads a result from its storage's
+                    # start.
+                    buffer = bucket.buffer()
+                    buffer.copy_(torch.cat([total[spans[p]] for p in bucket.parameters()]))
+                    future.set_result(buffer)
             except Exception as exc:  # noqa: BLE001 - handed to DDP, which raises it
                 for _, future in held:
                     if not future.done():
                         future.set_exception(exc)
 
-        if world == 1:
-            finish()
-            return
+        rows.then(finish)
+
+    def _gather(self, payload: torch.Tensor
+                ) -> tuple[torch.futures.Future[torch.Tensor], int]:
+        """Every rank's ``payload`` (a future of a (ranks, bytes) tensor), and what their
+        sum is divided by."""
+        world = dist.get_world_size(self.group)
+        if world == 1:  # one process: nothing to gather
+            return _done(payload.view(1, -1)), 1
+        gathered = torch.empty(world * payload.numel(), dtype=torch.uint8,
+                               device=payload.device)
+        self.traffic.sent(all_gather_bytes(payload.numel(), world))
+        self.traffic.launched()
+
+        def rows(future: torch.futures.Future) -> torch.Tensor:
+            self.traffic.done()
+            future.value()  # raises if the all-gather failed
+            return gathered.view(world, -1)
+
         work = gather_into_tensor(gathered, payload, group=self.group, async_op=True)
-        work.get_future().then(scatter)
+        return work.get_future().then(rows), world
 
     def state_dict(self) -> dict:
         return {"residuals": dict(self.residuals)}
 
     def load_state_dict(self, state: dict) -> None:
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(value)
+    return future

@@ -273,7 +273,7 @@ class Harness:
             model = apply_ddp(model, self.device, c.ddp)
             if self.live and averages_in_hook(c.strategy, c.compression.name,
                                               self.env.world_size):
-                self.comm = apply_across_groups(model, self.traffic, c.compression.name)
+                self.comm = apply_across_groups(model, self.traffic, c.compression)
             else:
                 self.comm = apply_compression(model, c.compression, self.traffic, seed=c.seed)
         if c.compile:  # after the wrapper: torch's DDP splits the graph at its buckets

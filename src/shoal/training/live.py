@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from shoal.data.sharding import position_after
 from shoal.errors import UsageError
 from shoal.ft import ReplicaPlace
-from shoal.ft.across import AcrossGroups
+from shoal.ft.across import AcrossGroups, in_hook
 from shoal.ft.session import LiveSession, StepOutcome
 from shoal.training.batches import loss_of
 from shoal.training.harness import seed_everything
@@ -67,8 +67,8 @@ def open_live(trainer: Trainer) -> LiveSession | None:
                           feedback=c.compression.name in ("powersgd", "topk"))
     if session.periodic:
         h.comm.across = session.meet
-    if isinstance(h.comm, AcrossGroups):  # the gradients cross the groups in DDP's hook
-        h.comm.replica = session.replica
+    if in_hook(h.comm):  # the gradients cross the groups in DDP's hook
+        session.attach(h.comm)
     return session
 
 
@@ -106,8 +106,8 @@ def before_backward(t: Trainer, loss: torch.Tensor) -> None:
     """Before the step's last backward: where the gradients cross the groups in backward
     (``shoal.ft.across``), the step's loss sums start across the groups now, as backward
     computes."""
-    if isinstance(t.harness.comm, AcrossGroups):
-        t.live.send_numbers(t.state.epoch_loss.step_sum(coming=loss), t.harness.comm)
+    if in_hook(t.harness.comm):
+        t.live.send_numbers(t.state.epoch_loss.step_sum(coming=loss))
 
 
 def end_step(t: Trainer, window_samples: int | None) -> StepOutcome:
@@ -120,9 +120,10 @@ def end_step(t: Trainer, window_samples: int | None) -> StepOutcome:
     if live.periodic:
         live.count_samples(samples)
         return StepOutcome.COMMITTED
-    averaged = isinstance(t.harness.comm, AcrossGroups)  # in backward already
-    outcome = live.end_step([] if averaged else gradients(t.model), samples,
-                            state.global_step, state.epoch_loss.step_sum())
+    averaged = in_hook(t.harness.comm)  # in backward already
+    grads = gradients(t.model) if live.logs or not averaged else []
+    outcome = live.end_step(grads, samples, state.global_step, state.epoch_loss.step_sum(),
+                            averaged=averaged)
     if outcome is StepOutcome.AGAIN:
         t.optimizer.zero_grad(set_to_none=True)
         state.epoch_loss.rewind()
