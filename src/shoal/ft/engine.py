@@ -246,51 +246,46 @@ class Replica:
         not used, as the step does not commit), so that a DDP hook never raises."""
         from torch.distributed import AllreduceOptions, ReduceOp
 
-        m = self._manager
-        if m.errored():
-            # A step's collectives after its first failure are skipped, and the process
-            # group closed: a group whose earlier sum of the step went through waits for this
-            # one in the next, which then fails at once instead of after its deadline.
-            self.drop()
-            return _done(tensor)
-        if not m.is_participating():
-            tensor.zero_()
         options = AllreduceOptions()
         options.reduceOp = ReduceOp(ReduceOp.SUM)
-        try:
-            started = m._pg.allreduce([tensor], options).get_future()
-        except Exception as exc:  # noqa: BLE001 - the process group is already gone
-            m.report_error(exc)
-            return _done(tensor)
-
-        def finished(future: torch.futures.Future) -> torch.Tensor:
-            try:
-                future.wait()
-            except Exception as exc:  # noqa: BLE001 - a lost group, a timeout
-                m.report_error(exc)
-            return tensor
-
-        return started.then(finished)
+        return self._start(tensor, lambda pg: pg.allreduce([tensor], options),
+                           lambda: tensor, tensor)
 
     def start_gather(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """Every group's ``tensor`` (a 1-d tensor of the same length in each), as the rows
-        of a (groups, length) tensor, on the process group the quorum configured. A group
-        that does not take part in the step sends zeros. Never fails, as ``start_sum``: a
-        failed gather marks the step as errored (the step does not commit), and its rows
-        are then zeros."""
+        of a (groups, length) tensor, on the process group the quorum configured. Never
+        fails, as ``start_sum``: a failed gather marks the step as errored (the step does
+        not commit), and its rows are then zeros."""
         import torch
         from torch.distributed.distributed_c10d import AllgatherOptions
 
+        rows: list[torch.Tensor] = []
+
+        def launch(pg: Any) -> Any:
+            rows.extend(torch.empty_like(tensor) for _ in range(pg.size()))
+            return pg.allgather([rows], [tensor], AllgatherOptions())
+
+        return self._start(tensor, launch, lambda: torch.stack(rows),
+                           tensor.new_zeros(1, tensor.numel()))
+
+    def _start(self, tensor: torch.Tensor, launch: Callable[[Any], Any],
+               result: Callable[[], torch.Tensor], failed: torch.Tensor
+               ) -> torch.futures.Future[torch.Tensor]:
+        """A collective of ``tensor`` across the groups (``launch(process group)`` starts
+        it; the future's value is then ``result()``, or ``failed`` where it fails). A group
+        that does not take part in the step sends zeros."""
         m = self._manager
-        failed = tensor.new_zeros(1, tensor.numel())
         if m.errored():
-            self.drop()  # as in start_sum
+            # A step's collectives after its first failure are skipped, and the process
+            # group closed: a group whose earlier collective of the step went through waits
+            # for this one in the next, which then fails at once instead of after its
+            # deadline.
+            self.drop()
             return _done(failed)
         if not m.is_participating():
             tensor.zero_()
         try:
-            rows = [torch.empty_like(tensor) for _ in range(m._pg.size())]
-            started = m._pg.allgather([rows], [tensor], AllgatherOptions()).get_future()
+            started = launch(m._pg).get_future()
         except Exception as exc:  # noqa: BLE001 - the process group is already gone
             m.report_error(exc)
             return _done(failed)
@@ -301,7 +296,7 @@ class Replica:
             except Exception as exc:  # noqa: BLE001 - a lost group, a timeout
                 m.report_error(exc)
                 return failed
-            return torch.stack(rows)
+            return result()
 
         return started.then(finished)
 

@@ -128,6 +128,8 @@ class LiveSession:
         # Where the gradients cross the groups in DDP's hook (``attach``).
         self._across: AcrossGroups | TopKAcrossGroups | None = None
         self._brought, self._handing = 0, False  # what a logged step's numbers said
+        self._blob = b""  # this rank's compression state, serialized, when it hands over
+        self._lengths: list[int] = []  # every group's (from the step's numbers)
         self.step_losses: tuple[float, int] = (0.0, 0)
         """The last step's losses of this rank and the same rank of every other group: their
         sum (float64) and micro-batches (see ``end_step``)."""
@@ -213,6 +215,7 @@ class LiveSession:
             if self._logged and (self.round is None or self.state.global_step
                                  - self.round["global_step"] >= self._every):
                 self._pending = copy.deepcopy(self.state.state_dict(heal=True))
+            self._blob = self._serialized(self._kept) if self._pending is not None else b""
         return StepOutcome.GO
 
     def _sit_out(self) -> None:
@@ -229,7 +232,7 @@ class LiveSession:
             else:
                 self._average(zeros, brings=False)
             if self._handing:  # the others hand over their compression state in this step
-                self._gather(b"")
+                self._gather(b"", self._lengths)
             self.replica.abstain()
             self.replica.commit()
         self._say(f"redoes steps {self._received_step + 1} to "
@@ -364,6 +367,9 @@ class LiveSession:
         self._asked = got[losses + 1] > 0
         if self._logged:
             self._brought, self._handing = round(got[losses + 2]), got[losses + 3] > 0
+            parts = got[losses + 4:]
+            self._lengths = [round(parts[2 * g]) * _SPLIT + round(parts[2 * g + 1])
+                             for g in range(self.place.groups)]
 
     def send_numbers(self, losses: tuple[float, int]) -> None:
         """When the gradients cross the groups in backward (``attach``), before the step's
@@ -383,22 +389,26 @@ class LiveSession:
         and whether this group asks for a full quorum; under 'exact' with error feedback,
         two flags: this group brings its step (every group must, or none commits: a commit
         vote is taken inside each group), and it hands over its compression state in this
-        step (then every group does)."""
+        step (then every group does), with the length of what it hands over (in a slot of
+        its own, as two parts that float32 holds exactly)."""
         due = (not self.replica.alone
                or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
         groups, group = self.place.groups, self.place.group
         tail = [0.0] * (3 * groups) + [float(losses[1]), float(due)]
         tail[3 * group:3 * group + 3] = _parts(losses[0])
         if self._logged:
-            tail += [float(brings), float(brings and self._pending is not None)]
+            handing = brings and self._pending is not None
+            lengths = [0.0] * (2 * groups)
+            if handing:
+                lengths[2 * group:2 * group + 2] = divmod(len(self._blob), _SPLIT)
+            tail += [float(brings), float(handing), *lengths]
         return torch.tensor(tail, dtype=like.dtype if like is not None else torch.float32,
                             device=like.device if like is not None else None)
 
     def _hand_over(self) -> None:
         """After a logged step's average: the hand-over of the compression state, when one
         is due; a vote against the step when a group did not bring it."""
-        self._gathered = (self._gather(self._serialized(self._kept)) if self._handing
-                          else None)
+        self._gathered = self._gather(self._blob, self._lengths) if self._handing else None
         if self._brought < self.place.groups:
             self.replica.abstain()
 
@@ -550,26 +560,31 @@ class LiveSession:
         torch.save(state, buffer)
         return buffer.getvalue()
 
-    def _gather(self, blob: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, blob: bytes, lengths: list[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every group's ``blob``, as rows of bytes (row g: group g's, its length apart):
-        each group's number and length, then the blobs, padded to the longest, gathered
-        (a group missing from the step, or one that sends nothing, leaves its row empty)."""
+        the blobs, each after its group's number and length and padded to the longest,
+        gathered (a group missing from the step, or one that sends nothing, leaves its row
+        empty). ``lengths``: the groups' blob lengths, known already (else the longest is
+        gathered first)."""
         group, groups = self.place.group, self.place.groups
-        heads = self.replica.start_gather(
-            torch.tensor([group + 1, len(blob)], dtype=torch.int64)).wait()
-        longest = int(heads[:, 1].max())
+        if lengths is None:
+            lengths = self.replica.start_gather(torch.tensor([len(blob)])).wait().reshape(
+                -1).tolist()
+        longest = max(lengths, default=0)
         rows = torch.zeros(groups, longest, dtype=torch.uint8)
-        lengths = torch.zeros(groups, dtype=torch.int64)
+        found = torch.zeros(groups, dtype=torch.int64)
         if longest == 0:
-            return rows, lengths
-        padded = torch.zeros(longest, dtype=torch.uint8)
+            return rows, found
+        padded = torch.zeros(16 + longest, dtype=torch.uint8)
+        padded[:16] = torch.tensor([group + 1, len(blob)]).view(torch.uint8)
         if blob:
-            padded[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        got = self.replica.start_gather(padded).wait()
-        for (number, length), row in zip(heads.tolist(), got, strict=False):
+            padded[16:16 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        for row in self.replica.start_gather(padded).wait():
+            number, length = row[:16].clone().view(torch.int64).tolist()
             if number:  # (0: a group that did not take part)
-                rows[number - 1], lengths[number - 1] = row, length
-        return rows, lengths
+                rows[number - 1], found[number - 1] = row[16:], length
+        return rows, found
 
     @property
     def logs(self) -> bool:
@@ -600,6 +615,9 @@ class LiveSession:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(self._leaving)
+
+
+_SPLIT = 2**20  # a length in two parts: float32 holds each exactly (up to 2**44 bytes)
 
 
 def _parts(value: float) -> tuple[float, float, float]:
