@@ -10,6 +10,8 @@
    killed, bitwise equality with the reference (not for 'available'), goodput (committed
    steps per second against the same mode without kills), the mode's step rate without
    kills against DDP's, the bytes and time of each heal, and the run's length.
+   A mode's figures without kills are medians of --pairs runs alternated with DDP's (the
+   machine's speed drifts between runs).
    `--json FILE` writes them, one object per mode. `--kills 0` measures only each mode's
    step rate without kills against DDP's (the cost of live recovery while nothing fails).
 2. Save: a model + AdamW state of --state-mb megabytes (>= 500), saved by one process:
@@ -24,7 +26,7 @@
 
     python benchmarks/recovery.py [--steps 14000] [--kills 6] [--seed 0] [--json FILE]
                                   [--compression none] [--no-save] [--state-mb 540]
-                                  [--repeats 3]
+                                  [--repeats 3] [--pairs 3]
 """
 
 # ruff: noqa: E402
@@ -185,31 +187,42 @@ def _rate(out: Path) -> float:
     return len({step for _, step, _, _ in rows}) / (rows[-1][0] - rows[0][0])
 
 
-def measure_recovery(steps: int, kills: int, seed: int, compression: str = "none"
-                     ) -> list[dict]:
+def _calm(mode: str, steps: int, compression: str, pairs: int) -> tuple[float, float]:
+    """(the mode's step rate without kills, that rate against 2-process DDP's): medians of
+    ``pairs`` runs of each, alternated (this machine's speed drifts between runs)."""
+    rates, ratios = [], []
+    for _ in range(pairs):
+        ddp = _run_job("baseline", steps, [], compression)
+        quiet = _run_job(mode, steps, [], compression)
+        rates.append(_rate(quiet))
+        ratios.append(rates[-1] / _rate(ddp))
+        shutil.rmtree(ddp, ignore_errors=True)
+        shutil.rmtree(quiet, ignore_errors=True)
+    return statistics.median(rates), statistics.median(ratios)
+
+
+def measure_recovery(steps: int, kills: int, seed: int, compression: str = "none",
+                     pairs: int = 3) -> list[dict]:
     """The same job with the same kills, each way; each against itself without kills (its
     goodput) and against 2-process DDP without kills (its equality and step rate)."""
     rng = random.Random(seed)
     at = sorted(rng.sample(range(20, steps - 20), kills))
     schedule = [(step, rng.randrange(2)) for step in at]
     baseline = _run_job("baseline", steps, [], compression)
-    ddp_rate = _rate(baseline)
-    results, calm = [], {}
+    results, calm, vs_ddp = [], {}, {}
     for mode in MODES:
         # Without kills both live policies do the same (one calm run serves both), but under
         # powersgd and topk, where 'exact' also hands over and logs.
         shared = mode.startswith("live") and compression not in ("powersgd", "topk")
         kind = "live" if shared else mode
         if kind not in calm:
-            quiet = _run_job(mode, steps, [], compression)
-            calm[kind] = _rate(quiet)
-            shutil.rmtree(quiet, ignore_errors=True)
+            calm[kind], vs_ddp[kind] = _calm(mode, steps, compression, pairs)
         if not schedule:  # --kills 0: each mode's cost without failures, nothing else
-            results.append({"mode": mode, "rate_vs_ddp": calm[kind] / ddp_rate})
+            results.append({"mode": mode, "rate_vs_ddp": vs_ddp[kind]})
             continue
         out = _run_job(mode, steps, schedule, compression)
         figures = _figures(mode, out, schedule, baseline, calm[kind])
-        figures["rate_vs_ddp"] = calm[kind] / ddp_rate  # the mode's cost without failures
+        figures["rate_vs_ddp"] = vs_ddp[kind]  # the mode's cost without failures
         results.append(figures)
         shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(baseline, ignore_errors=True)
@@ -312,6 +325,8 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="skip part 2")
     parser.add_argument("--state-mb", type=int, default=540)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="alternated runs of DDP and of each mode without kills")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="[]", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoints", action="store_true", help=argparse.SUPPRESS)
@@ -319,7 +334,8 @@ def main() -> None:
     if args.job:
         return job(Path(args.job), args.steps, [tuple(k) for k in json.loads(args.schedule)],
                    args.checkpoints, args.compression)
-    results = measure_recovery(args.steps, args.kills, args.seed, args.compression)
+    results = measure_recovery(args.steps, args.kills, args.seed, args.compression,
+                               args.pairs)
     _print_recovery(results, args.steps, args.kills, args.compression)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

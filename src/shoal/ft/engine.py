@@ -256,16 +256,16 @@ class Replica:
         of a (groups, length) tensor, on the process group the quorum configured. Never
         fails, as ``start_sum``: a failed gather marks the step as errored (the step does
         not commit), and its rows are then zeros."""
-        import torch
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         rows: list[torch.Tensor] = []
 
         def launch(pg: Any) -> Any:
-            rows.extend(torch.empty_like(tensor) for _ in range(pg.size()))
-            return pg.allgather([rows], [tensor], AllgatherOptions())
+            rows.append(tensor.new_empty(pg.size(), tensor.numel()))
+            return pg.allgather_into_tensor_coalesced([rows[0].view(-1)], [tensor],
+                                                      AllgatherOptions())
 
-        return self._start(tensor, launch, lambda: torch.stack(rows),
+        return self._start(tensor, launch, lambda: rows[0],
                            tensor.new_zeros(1, tensor.numel()))
 
     def _start(self, tensor: torch.Tensor, launch: Callable[[Any], Any],
