@@ -367,18 +367,7 @@ class Trainer:
             if self.live is not None and position == 0:
                 settle(self, batch)  # a replacement cuts DDP's buckets as the others have
             n = samples_in(batch)
-            if self.pipeline:  # forward and backward through every stage in one call
-                inputs, targets = pipeline_pair(batch)
-                loss = h.pipeline_step(cast(PipelineModel, model), inputs, targets,
-                                       scale=self._weight(window, window_samples, n))
-            else:
-                with h.no_sync(cast(nn.Module, model),
-                               enabled=not step_now):  # all-reduce once per window
-                    with h.autocast():
-                        loss = loss_of(cast(nn.Module, model), batch, self.loss_fn, self.step_fn)
-                    if step_now and self.live is not None:
-                        before_backward(self, loss)
-                    h.backward(self._scaled(loss, window, window_samples, n))
+            loss = self._forward_backward(batch, n, window, window_samples, step_now)
             if clock:
                 clock.lap("forward_backward")
             state.epoch_loss.add(loss)
@@ -424,6 +413,25 @@ class Trainer:
                            comm_bytes_per_step=(traffic.total_bytes - before[1]) / steps,
                            comm_wait_s_per_step=(traffic.total_wait - before[2]) / steps)
         return metrics, not stopped
+
+    def _forward_backward(self, batch: Any, samples: int, window: int,
+                          window_samples: int | None, step_now: bool) -> torch.Tensor:
+        """One micro-batch of ``samples`` in a window of ``window``: its loss; its gradients
+        are added to the window's, which are all-reduced at the window's last micro-batch
+        (``step_now``)."""
+        h = self.harness
+        if self.pipeline:  # forward and backward through every stage in one call
+            inputs, targets = pipeline_pair(batch)
+            return h.pipeline_step(cast(PipelineModel, self.model), inputs, targets,
+                                   scale=self._weight(window, window_samples, samples))
+        model = cast(nn.Module, self.model)
+        with h.no_sync(model, enabled=not step_now):  # all-reduce once per window
+            with h.autocast():
+                loss = loss_of(model, batch, self.loss_fn, self.step_fn)
+            if step_now and self.live is not None:
+                before_backward(self, loss)  # the step's numbers start across the groups
+            h.backward(self._scaled(loss, window, window_samples, samples))
+        return loss
 
     def _non_finite(self, loss: torch.Tensor | None) -> None:
         """All ranks are here together: their all-reduced gradients are equally bad."""
