@@ -31,70 +31,27 @@ state at the last meeting and redoes the steps since, while the others wait at t
 from __future__ import annotations
 
 import copy
-import enum
 import io
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
 
 import torch
 
 from shoal.ft.across import AcrossGroups, TopKAcrossGroups
 from shoal.ft.config import ReplicaPlace
 from shoal.ft.engine import Quorum
+from shoal.ft.step import (
+    SPLIT,
+    GroupState,
+    LiveError,
+    StepOutcome,
+    loss_parts,
+    state_bytes,
+    unflatten,
+)
 from shoal.runtime import heartbeat
-
-
-class LiveError(RuntimeError):
-    """A live step cannot go on (no lighthouse, no quorum in time): said in one line."""
-
-
-class StepOutcome(enum.Enum):
-    """What became of a step, as the session says it."""
-
-    GO = "go"
-    """The step goes ahead (``begin_step``, ``join``)."""
-    COMMITTED = "committed"
-    """The step is applied: every group that took part applies the same mean."""
-    AGAIN = "again"
-    """The step did not commit and nothing of it was applied: it is done again from where it
-    began."""
-    HEALED = "healed"
-    """This group loaded a live group's state (``GroupState.load_state_dict``): training
-    goes on from that state's step and data position."""
-
-
-class GroupState(Protocol):
-    """What a step changes, as a live session reads and loads it (a Trainer's
-    ``shoal.training.state.TrainState``)."""
-
-    global_step: int
-
-    @property
-    def periodic(self) -> bool: ...
-
-    def state_dict(self, *, heal: bool = False) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any], *, heal: bool = False) -> None: ...
-
-    def private_state(self) -> dict[str, Any]: ...
-
-    def load_private_state(self, state: dict[str, Any]) -> None: ...
-
-    def blank_gradients(self) -> list[torch.Tensor]: ...
-
-
-def state_bytes(state: object) -> int:
-    """Bytes of the tensors in a (nested) state."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(v) for v in state)
-    return 0
 
 
 class LiveSession:
@@ -295,7 +252,7 @@ class LiveSession:
         the other groups' travels with the average (``step_losses``)."""
         if self._replay:  # a logged step redone alone: the others' mean, as it was
             flat, self.step_losses = self._replay.pop(0)
-            _unflatten(flat, grads)
+            unflatten(flat, grads)
             return StepOutcome.COMMITTED
         quorum, self._quorum = self._quorum, None
         self._steady = False  # until this step commits with every group in it
@@ -368,7 +325,7 @@ class LiveSession:
         if self._logged:
             self._brought, self._handing = round(got[losses + 2]), got[losses + 3] > 0
             parts = got[losses + 4:]
-            self._lengths = [round(parts[2 * g]) * _SPLIT + round(parts[2 * g + 1])
+            self._lengths = [round(parts[2 * g]) * SPLIT + round(parts[2 * g + 1])
                              for g in range(self.place.groups)]
 
     def send_numbers(self, losses: tuple[float, int]) -> None:
@@ -395,12 +352,12 @@ class LiveSession:
                or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
         groups, group = self.place.groups, self.place.group
         tail = [0.0] * (3 * groups) + [float(losses[1]), float(due)]
-        tail[3 * group:3 * group + 3] = _parts(losses[0])
+        tail[3 * group:3 * group + 3] = loss_parts(losses[0])
         if self._logged:
             handing = brings and self._pending is not None
             lengths = [0.0] * (2 * groups)
             if handing:
-                lengths[2 * group:2 * group + 2] = divmod(len(self._blob), _SPLIT)
+                lengths[2 * group:2 * group + 2] = divmod(len(self._blob), SPLIT)
             tail += [float(brings), float(handing), *lengths]
         return torch.tensor(tail, dtype=like.dtype if like is not None else torch.float32,
                             device=like.device if like is not None else None)
@@ -615,24 +572,3 @@ class LiveSession:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(self._leaving)
-
-
-_SPLIT = 2**20  # a length in two parts: float32 holds each exactly (up to 2**44 bytes)
-
-
-def _parts(value: float) -> tuple[float, float, float]:
-    """``value`` (float64) as three float32 numbers whose sum in float64 is ``value``
-    (exact for losses of 1e-20 and up)."""
-    import numpy as np
-
-    high = float(np.float32(value))
-    middle = float(np.float32(value - high))
-    return high, middle, float(np.float32(value - high - middle))
-
-
-def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy ``flat`` into ``tensors``, one after the other."""
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()

@@ -29,7 +29,8 @@ from shoal.data.sharding import position_after
 from shoal.errors import UsageError
 from shoal.ft import ReplicaPlace
 from shoal.ft.across import AcrossGroups, in_hook
-from shoal.ft.session import LiveSession, StepOutcome
+from shoal.ft.session import LiveSession
+from shoal.ft.step import StepOutcome
 from shoal.training.batches import loss_of
 from shoal.training.harness import seed_everything
 from shoal.training.state import gradients

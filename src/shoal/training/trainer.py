@@ -23,7 +23,7 @@ from shoal.data.sharding import (
 )
 from shoal.errors import NonFiniteError, UsageError
 from shoal.ft import ReplicaPlace
-from shoal.ft.session import StepOutcome
+from shoal.ft.step import StepOutcome
 from shoal.metrics.recorder import StepMetrics
 from shoal.parallel.pipeline_parallel import PipelineModel
 
@@ -218,7 +218,7 @@ class Trainer:
             RemoteTierError: If a RemoteModule's remote call fails, or on resume its tier
                 serves another module than the checkpoint's.
             RuntimeError: If a collective fails (a peer died, or the group's timeout
-                passed); in a live job, ``shoal.ft.session.LiveError`` when the replica
+                passed); in a live job, ``shoal.ft.step.LiveError`` when the replica
                 groups do not meet in time.
             ValueError: If the resumed position in the epoch lies past the end of the
                 training data (the dataset shrank).

@@ -1,0 +1,82 @@
+"""What a live session and its trainer say to each other: the outcome of each step, the
+state a session reads and loads (``GroupState``), and the numbers that travel with a step.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class LiveError(RuntimeError):
+    """A live step cannot go on (no lighthouse, no quorum in time): said in one line."""
+
+
+class StepOutcome(enum.Enum):
+    """What became of a step, as the session says it."""
+
+    GO = "go"
+    """The step goes ahead (``begin_step``, ``join``)."""
+    COMMITTED = "committed"
+    """The step is applied: every group that took part applies the same mean."""
+    AGAIN = "again"
+    """The step did not commit and nothing of it was applied: it is done again from where it
+    began."""
+    HEALED = "healed"
+    """This group loaded a live group's state (``GroupState.load_state_dict``): training
+    goes on from that state's step and data position."""
+
+
+class GroupState(Protocol):
+    """What a step changes, as a live session reads and loads it (a Trainer's
+    ``shoal.training.state.TrainState``)."""
+
+    global_step: int
+
+    @property
+    def periodic(self) -> bool: ...
+
+    def state_dict(self, *, heal: bool = False) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], *, heal: bool = False) -> None: ...
+
+    def private_state(self) -> dict[str, Any]: ...
+
+    def load_private_state(self, state: dict[str, Any]) -> None: ...
+
+    def blank_gradients(self) -> list[torch.Tensor]: ...
+
+
+def state_bytes(state: object) -> int:
+    """Bytes of the tensors in a (nested) state."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+SPLIT = 2**20  # a length in two parts: float32 holds each exactly (up to 2**44 bytes)
+
+
+def loss_parts(value: float) -> tuple[float, float, float]:
+    """``value`` (float64) as three float32 numbers whose sum in float64 is ``value``
+    (exact for losses of 1e-20 and up)."""
+    import numpy as np
+
+    high = float(np.float32(value))
+    middle = float(np.float32(value - high))
+    return high, middle, float(np.float32(value - high - middle))
+
+
+def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` into ``tensors``, one after the other."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
