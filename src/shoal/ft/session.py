@@ -86,7 +86,9 @@ class LiveSession:
         self._across: AcrossGroups | TopKAcrossGroups | None = None
         self._brought, self._handing = 0, False  # what a logged step's numbers said
         self._blob = b""  # this rank's compression state, serialized, when it hands over
-        self._lengths: list[int] = []  # every group's (from the step's numbers)
+        # Every group's, from the step's numbers (None: sent in a precision that does not
+        # hold them exactly; then gathered with the blobs).
+        self._lengths: list[int] | None = None
         self.step_losses: tuple[float, int] = (0.0, 0)
         """The last step's losses of this rank and the same rank of every other group: their
         sum (float64) and micro-batches (see ``end_step``)."""
@@ -325,8 +327,9 @@ class LiveSession:
         if self._logged:
             self._brought, self._handing = round(got[losses + 2]), got[losses + 3] > 0
             parts = got[losses + 4:]
+            exact = summed.dtype in (torch.float32, torch.float64)  # hold each part exactly
             self._lengths = [round(parts[2 * g]) * SPLIT + round(parts[2 * g + 1])
-                             for g in range(self.place.groups)]
+                             for g in range(self.place.groups)] if exact else None
 
     def send_numbers(self, losses: tuple[float, int]) -> None:
         """When the gradients cross the groups in backward (``attach``), before the step's

@@ -86,6 +86,10 @@ class TrainState:
 
     def next_epoch(self) -> None:
         self.epoch += 1
+        self.restart_epoch()
+
+    def restart_epoch(self) -> None:
+        """Back to the epoch's start: its position and its loss sums."""
         self.position = 0
         self.epoch_loss = EpochLoss(self.harness.device)
 

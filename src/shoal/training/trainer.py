@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,6 @@ from shoal.training.batches import (
 )
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
-from shoal.training.epoch_loss import EpochLoss
 from shoal.training.evaluation import validate
 from shoal.training.harness import Harness, seed_everything
 from shoal.training.live import (
@@ -167,6 +166,7 @@ class Trainer:
 
     @property
     def epoch(self) -> int:
+        """The epoch under way (epochs completed so far)."""
         return self.state.epoch
 
     @property
@@ -333,9 +333,8 @@ class Trainer:
         model.train()
         first = state.position or 0  # the epoch's samples before this pass
         if not set_epoch(loader, state.epoch, first) and first:
-            # This loader cannot start mid-epoch: the epoch starts over.
-            first = state.position = 0
-            state.epoch_loss = EpochLoss(h.device)
+            state.restart_epoch()  # this loader cannot start mid-epoch: the epoch starts over
+            first = 0
         length = agreed_length(loader, h.device)
         micro_batches = samples = 0
         step_loss: torch.Tensor | int  # a tensor once the window's first loss is added
@@ -502,7 +501,7 @@ class Trainer:
             if self._metrics:
                 self._metrics.clock.skip()  # a save's time is the next step's 'other'
 
-    def _stop_for(self, signum: int) -> None:
+    def _stop_for(self, signum: int) -> NoReturn:
         """Every rank is here at the same step: save, then exit with 128 + signal."""
         assert self.checkpointing is not None  # preemption is watched only with checkpoints
         if self.checkpointing.saved_step != self.global_step:
