@@ -18,7 +18,8 @@ replacement has taken a step (so that it rejoins before the run ends, under poli
 something to the job meanwhile). ``--no-commit G:S``: group G takes its vote on step S as
 no, once, while the others commit it. ``--step-sleep S``: after each step every group
 writes its step to OUT/step.g<group> and sleeps S seconds (the test acts on a job under
-way). ``--quorum-every S``: the Trainer's own ``fault_tolerance.quorum_every_s``. Beside
+way). ``--quorum-every S``, ``--share F``: the Trainer's own ``fault_tolerance.
+quorum_every_s``, ``compression_state_share``. Beside
 the final state, OUT/figures.g<group>.r<rank>.json holds the last epoch's train_loss, the
 validation figures after the last step and how many quorums the process asked the
 lighthouse for.
@@ -64,6 +65,8 @@ parser.add_argument("--compression", default="none", help="a name, or its settin
 parser.add_argument("--period", type=int, default=None, help="of local_sgd or diloco")
 parser.add_argument("--quorum-every", type=float, default=None,
                     help="the Trainer's fault_tolerance.quorum_every_s")
+parser.add_argument("--share", type=float, default=None,
+                    help="the Trainer's fault_tolerance.compression_state_share")
 parser.add_argument("--backend", default="gloo", help="inside each group (nccl: on the GPU)")
 parser.add_argument("--no-commit", default=None,
                     help="G:S: group G's vote on step S says no, once (the others commit)")
@@ -80,8 +83,11 @@ trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), b
                         compression=json.loads(args.compression)
                         if args.compression.startswith("{") else args.compression,
                         **({args.strategy: {"period": args.period}} if args.period else {}),
-                        **({"fault_tolerance": {"quorum_every_s": args.quorum_every}}
-                           if args.quorum_every else {}),
+                        fault_tolerance={
+                            **({"quorum_every_s": args.quorum_every} if args.quorum_every
+                               else {}),
+                            **({"compression_state_share": args.share} if args.share
+                               else {})},
                         metrics={"dir": args.metrics} if args.metrics else {"enabled": False},
                         **({"checkpoint_dir": args.checkpoints, "checkpoint_every": 1,
                             "resume": "auto"} if args.checkpoints else {}))

@@ -1,6 +1,7 @@
 """Live mode, policy 'exact', under the compressions whose error feedback each rank keeps
 for itself (powersgd, topk): 2 groups of 1 process, a hand-over of the compression state
-every 10 steps (the default), group 1 SIGKILLed three steps after one. Each run is compared
+every 10 steps (the default, with no bound on the hand-overs' share of the run: exactly
+then), group 1 SIGKILLed three steps after one. Each run is compared
 with the same live run without failures under policy 'available', started beside it (the
 policies differ only when a group is missing: this also tests that 'available' runs with
 these compressions, and that the groups end as one model)."""
@@ -31,7 +32,7 @@ def test_replacement_redoes_its_steps_since_the_hand_over(runs, compression):
     hand-over at step 10 with its own group's compression state, redoes steps 11 to 13
     alone with the survivor's kept mean of each, and both end bitwise equal to the run
     without failures (which the error feedback of group 1's steps 11 to 16 feeds)."""
-    job = f"--compression {COMPRESSIONS[compression]}"
+    job = f"--compression {COMPRESSIONS[compression]} --share 1"
     runs.start(f"whole-{compression}", "--replica-groups", "2", "--ft-policy", "available",
                job=job)
     runs.start(f"killed-{compression}", "--replica-groups", "2", "--max-restarts", "1",
@@ -52,7 +53,7 @@ def test_a_group_whose_step_did_not_commit_catches_up_from_the_hand_over(runs):
     step's error feedback, heals from group 0's hand-over at step 10 (its own compression
     state then) and redoes steps 11 and 12; both end bitwise equal to the run without
     failures."""
-    job = f"--compression {COMPRESSIONS['topk']}"
+    job = f"--compression {COMPRESSIONS['topk']} --share 1"
     runs.start("whole-topk", "--replica-groups", "2", "--ft-policy", "available", job=job)
     runs.start("no-commit", "--replica-groups", "2", job=f"{job} --no-commit 1:12")
     live, output = runs.wait("no-commit")

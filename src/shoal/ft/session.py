@@ -11,9 +11,10 @@ again from where it began loses no step. Under 'exact' a step commits only with 
 in it: while one is missing the others wait in the next quorum.
 
 Under a compression with error feedback (powersgd, topk) each rank keeps a residual of its
-own, which no live group holds. Under 'exact' every few steps (``compression_state_every``)
-each group hands the others its compression state, and each keeps the averaged gradients of
-the steps since: a replacement starts again from there with its own group's compression
+own, which no live group holds. Under 'exact' every few steps (``compression_state_every``,
+and seldom enough that hand-overs take at most ``compression_state_share`` of the run) each
+group hands the others its compression state, and each keeps the averaged gradients of the
+steps since: a replacement starts again from there with its own group's compression
 state and redoes those steps alone (their forward and backward, with the others' mean),
 while the others wait at the next quorum. A step that does not commit is undone in the
 compression state too.
@@ -107,6 +108,11 @@ class LiveSession:
         # 'exact' under powersgd, topk: rounds of the compression state, and a log.
         self._logged = self._exact and self._feedback
         self._every = place.config.compression_state_every
+        self._share = place.config.compression_state_share
+        self._hand_next = False  # the last step committed, and its numbers said: hand over
+        self._next = False  # what the step's numbers said of the next (see ``_due``)
+        self._round_at = 0.0  # when the last hand-over was kept
+        self._round_cost = 0.0  # the seconds a hand-over took this process (see ``_due``)
         # The averaged gradients since the round, with each step's losses of every group.
         self._log: list[tuple[torch.Tensor, tuple[float, int]]] = []
         self._replay: list[tuple[torch.Tensor, tuple[float, int]]] = []  # redone alone
@@ -143,6 +149,7 @@ class LiveSession:
             self.state.load_state_dict({**state["round"], **private}, heal=True)
             self.round, self._rows = state["round"], state["rows"]
             self._log, self._replay = list(state["log"]), list(state["log"])
+            self._hand_next = False
             self._received_step = state["round"]["global_step"]
         else:
             self.state.load_state_dict(state["trainer"], heal=True)
@@ -171,10 +178,12 @@ class LiveSession:
                 return StepOutcome.HEALED
         if self._feedback:
             self._kept = self.state.private_state()
-            if self._logged and (self.round is None or self.state.global_step
-                                 - self.round["global_step"] >= self._every):
+            self._blob = b""
+            if self._logged and (self.round is None or self._hand_next):
+                started = time.monotonic()
                 self._pending = copy.deepcopy(self.state.state_dict(heal=True))
-            self._blob = self._serialized(self._kept) if self._pending is not None else b""
+                self._blob = self._serialized(self._kept)
+                self._round_cost = time.monotonic() - started
         return StepOutcome.GO
 
     def _sit_out(self) -> None:
@@ -265,6 +274,7 @@ class LiveSession:
             committed = self.replica.commit()
         if self._logged:
             self._log_step(grads if committed else None)
+            self._hand_next = committed and self._next
         if not committed:
             self.replica.drop()  # a group that committed fails its next step at once
             if self._kept is not None:  # the step's error feedback is undone too
@@ -326,7 +336,8 @@ class LiveSession:
         self._asked = got[losses + 1] > 0
         if self._logged:
             self._brought, self._handing = round(got[losses + 2]), got[losses + 3] > 0
-            parts = got[losses + 4:]
+            self._next = got[losses + 4] > 0
+            parts = got[losses + 5:]
             exact = summed.dtype in (torch.float32, torch.float64)  # hold each part exactly
             self._lengths = [round(parts[2 * g]) * SPLIT + round(parts[2 * g + 1])
                              for g in range(self.place.groups)] if exact else None
@@ -347,10 +358,11 @@ class LiveSession:
                  brings: bool = True) -> torch.Tensor:
         """The step's numbers: each group's loss sum in slots of its own, the micro-batches,
         and whether this group asks for a full quorum; under 'exact' with error feedback,
-        two flags: this group brings its step (every group must, or none commits: a commit
-        vote is taken inside each group), and it hands over its compression state in this
-        step (then every group does), with the length of what it hands over (in a slot of
-        its own, as two parts that float32 holds exactly)."""
+        three flags: this group brings its step (every group must, or none commits: a
+        commit vote is taken inside each group), it hands over its compression state in
+        this step (then every group does), and it would hand over in the next (``_due``),
+        with the length of what it hands over (in a slot of its own, as two parts that
+        float32 holds exactly)."""
         due = (not self.replica.alone
                or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
         groups, group = self.place.groups, self.place.group
@@ -361,14 +373,30 @@ class LiveSession:
             lengths = [0.0] * (2 * groups)
             if handing:
                 lengths[2 * group:2 * group + 2] = divmod(len(self._blob), SPLIT)
-            tail += [float(brings), float(handing), *lengths]
+            tail += [float(brings), float(handing), float(brings and self._due()), *lengths]
         return torch.tensor(tail, dtype=like.dtype if like is not None else torch.float32,
                             device=like.device if like is not None else None)
+
+    def _due(self) -> bool:
+        """This group would hand over in the next step: ``compression_state_every`` steps
+        after the last hand-over, and no sooner than the hand-over's time divided by
+        ``compression_state_share``. The groups hand over in the step after one that
+        committed with any group's numbers saying so (every group that committed it read
+        the same sum; a step that did not commit clears it, in every group)."""
+        if self.round is None or self._pending is not None:  # a hand-over is under way
+            return False
+        return (self.state.global_step + 1 - self.round["global_step"] >= self._every
+                and (self._share >= 1  # (then exactly every so many steps)
+                     or time.monotonic() - self._round_at >= self._round_cost / self._share))
 
     def _hand_over(self) -> None:
         """After a logged step's average: the hand-over of the compression state, when one
         is due; a vote against the step when a group did not bring it."""
-        self._gathered = self._gather(self._blob, self._lengths) if self._handing else None
+        self._gathered = None
+        if self._handing:
+            started = time.monotonic()
+            self._gathered = self._gather(self._blob, self._lengths)
+            self._round_cost += time.monotonic() - started
         if self._brought < self.place.groups:
             self.replica.abstain()
 
@@ -378,6 +406,7 @@ class LiveSession:
         if grads is not None:
             if self._pending is not None and self._gathered is not None:
                 self.round, self._rows, self._log = self._pending, self._gathered, []
+                self._round_at = time.monotonic()
             self._log.append((torch.cat([g.reshape(-1) for g in grads]).cpu(),
                               self.step_losses))
         self._pending = self._gathered = None
