@@ -20,13 +20,7 @@ while the others wait at the next quorum. A step that does not commit is undone 
 compression state too.
 
 The periodic strategies (local_sgd, diloco) meet the other groups only every few steps:
-
-    session.join(contribution)    # the first step of this process (a replacement heals here)
-    mean = session.meet(flat)     # a meeting, held until it commits
-
-Under 'exact' each meeting also hands every group the others' private state (what differs
-between groups: the inner optimizer), so that a replacement starts again from its own group's
-state at the last meeting and redoes the steps since, while the others wait at the next.
+``shoal.ft.periodic``.
 """
 
 from __future__ import annotations
@@ -58,6 +52,9 @@ from shoal.runtime import heartbeat
 class LiveSession:
     """The quorum, the average across groups and the commit of each step, and what a
     replacement loads from a live group."""
+
+    periodic = False
+    """The groups meet every few steps, not at each (``shoal.ft.periodic``)."""
 
     def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
                  state: GroupState,
@@ -102,8 +99,7 @@ class LiveSession:
         self._started = 0.0
         self._in_quorum = False  # waiting for the other groups at a quorum
         self._leaving: int | None = None  # the exit code of a stop in a quorum wait
-        self.periodic = state.periodic
-        self._feedback = feedback and not self.periodic
+        self._feedback = feedback
         self._exact = place.config.policy == "exact"
         # 'exact' under powersgd, topk: rounds of the compression state, and a log.
         self._logged = self._exact and self._feedback
@@ -119,15 +115,10 @@ class LiveSession:
         self._kept: dict | None = None  # this rank's private state as the step began
         self._pending: dict | None = None  # the state a round keeps if this step commits
         self._gathered: tuple | None = None  # every group's private state, with it
-        self.joined = False
         self.round: dict | None = None
         """'exact': this group's state at the last meeting (periodic) or hand-over (under
         powersgd, topk)."""
-        self.round_due = False  # a meeting committed: keep the round's state next
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # every group's private
-        self._contributes = True  # False: the meeting under way counts this group out
-        self._round_samples = 0  # this group's samples since the last meeting
-        self._moved = False  # 'available': this group healed in a meeting (its step moved)
         try:
             self.replica = Replica(place, group_rank, group_size, self._send, self._receive)
         except RuntimeError as exc:  # torchft's: the lighthouse does not answer
@@ -419,129 +410,12 @@ class LiveSession:
         model). Two quorums: a group behind heals in the first, and fetches the state only
         after it (over HTTP); the second holds this group until then. Each is given up
         after ``step_timeout_s``: the others may have ended already."""
-        if self.periodic:
-            return
         for _ in range(2):
             try:
                 with heartbeat.waiting():
                     self.replica.quorum(timeout_s=self.place.config.step_timeout_s)
             except Exception:  # noqa: BLE001 - torchft's: the others have ended
                 return
-
-    def join(self, blank: Callable[[], torch.Tensor]) -> StepOutcome:
-        """Periodic strategies, at this process's first step: meet the others. At the job's
-        start every group is at step 0 and this is a meeting with nothing to average. A
-        replacement heals here: under 'exact' from its own group's state at the last meeting
-        (HEALED: it redoes its steps since, and the others wait at the meeting); under
-        'available' from a live group's state now (GO, with ``joins_meeting``: it takes
-        this meeting's mean without adding to it, and ``after_meeting`` says HEALED).
-        ``blank()``: a meeting's contribution (its values are not used)."""
-        if self.joined:
-            return StepOutcome.GO
-        self.joined = True
-        self._start_quorum()
-        if self.replica.step == 0:  # the start: the meeting that gives out private states
-            self.meet(blank().zero_(), start=True)
-            return StepOutcome.GO
-        if self._exact:  # this meeting is held again once this group has caught up
-            self._quorum = None
-            self._attempt(blank().zero_(), abstain=True)
-            self.replica.commit()  # (no: the others see this group's weight 0)
-            self._say(f"redoes its steps since the last meeting (step {self._received_step}) "
-                      "while the other groups wait")
-            return StepOutcome.HEALED
-        self._contributes = False
-        return StepOutcome.GO
-
-    @property
-    def joins_meeting(self) -> bool:
-        """Healed in ``join`` under 'available': the meeting under way is this group's
-        too, though no meeting is due at its step."""
-        return not self._contributes
-
-    def after_meeting(self) -> StepOutcome:
-        """Periodic strategies, after a step's meeting, if any: HEALED when this group
-        healed in it ('available': its step moved to a live group's); else GO, with the
-        state just after the meeting kept under 'exact' (what a replacement starts again
-        from, with its own private state)."""
-        if self._moved:
-            self._moved = False
-            return StepOutcome.HEALED
-        if self.round_due:
-            self.round, self.round_due = copy.deepcopy(self.state.state_dict(heal=True)), False
-        return StepOutcome.GO
-
-    def count_samples(self, samples: int) -> None:
-        """Periodic strategies: this group's samples in a step (what a missing group
-        skips)."""
-        self._round_samples += samples
-
-    def meet(self, flat: torch.Tensor, start: bool = False) -> torch.Tensor:
-        """Periodic strategies: the mean of ``flat`` over the groups, held again until it
-        commits (a group lost in it, or one catching up under 'exact'). Under 'available'
-        the mean is over the groups that bring something (a group just healed does not)."""
-        said = False
-        while True:
-            if self._quorum is None:
-                self._started = time.monotonic()
-                self._quorum = self._meet()
-            quorum, self._quorum = self._quorum, None
-            if quorum.healed and not start:  # behind ('available'): now a live group's clone
-                self._contributes, self._moved = False, True
-            mean, bringing, rows = self._attempt(flat.clone())
-            if self.replica.commit():
-                break
-            if not said and not start:
-                self._say(f"the meeting at step {self.state.global_step} did not commit "
-                          "(a replica group failed or is catching up): it is held again")
-                said = True
-        self._contributes = True
-        self._rows, self.round_due = rows, self._exact
-        groups = self.place.groups
-        if bringing < groups and not start:
-            self.skipped_samples += (groups - bringing) * self._round_samples
-        if bringing != self._participants and not start:
-            step = self.state.global_step
-            if bringing < groups:
-                self._say(f"the meeting at step {step}: {bringing} of {groups} replica "
-                          "groups bring their steps; the others' samples are skipped "
-                          "(policy available)")
-            else:
-                self._say(f"the meeting at step {step}: all {groups} replica groups bring "
-                          f"their steps again; {self.skipped_samples} samples skipped while "
-                          "some were missing")
-            self._participants = bringing
-            self._record(step, kind="replica_groups", taking_part=bringing, groups=groups,
-                         skipped_samples=self.skipped_samples)
-        self._round_samples = 0
-        return mean
-
-    def _attempt(self, flat: torch.Tensor, abstain: bool = False
-                 ) -> tuple[torch.Tensor, int, tuple | None]:
-        """One try of a meeting in the quorum under way: (mean, groups that brought to it,
-        every group's private state under 'exact'); kept only if the meeting commits.
-
-        Each group sends a weight with its share: 1, or 0 when it brings nothing (healed
-        in this meeting). A commit vote is taken inside each group only, so the weights'
-        sum is what every group sees alike: under 'exact' a meeting short of a group does
-        not commit anywhere. Under 'exact' the shares are divided first (as one process
-        group does) and the private states go with them."""
-        groups = self.place.groups
-        weight = 0.0 if abstain or not self._contributes else 1.0
-        if self._exact:
-            flat /= groups
-        share = flat.reshape(-1) if weight else torch.zeros_like(flat.reshape(-1))
-        sent = torch.cat([share, flat.new_full((1,), weight)])
-        self.replica.sum(sent)
-        bringing = round(float(sent[-1]))
-        rows = None
-        if self._exact:
-            rows = self._gather(b"" if abstain else self._serialized(
-                self.state.private_state()))
-            if bringing < groups:
-                self.replica.abstain()
-            return sent[:-1], bringing, rows
-        return sent[:-1] / max(bringing, 1), bringing, rows
 
     @staticmethod
     def _serialized(state: dict | None) -> bytes:

@@ -29,6 +29,7 @@ from shoal.data.sharding import position_after
 from shoal.errors import UsageError
 from shoal.ft import ReplicaPlace
 from shoal.ft.across import AcrossGroups, in_hook
+from shoal.ft.periodic import PeriodicSession
 from shoal.ft.session import LiveSession
 from shoal.ft.step import StepOutcome
 from shoal.training.batches import loss_of
@@ -62,12 +63,14 @@ def open_live(trainer: Trainer) -> LiveSession | None:
         if trainer._metrics is not None:
             trainer._metrics.record("event", step, **fields)
 
+    if trainer.state.periodic:
+        periodic = PeriodicSession(place, h.rank, h.world_size, trainer.state, record=record)
+        h.comm.across = periodic.meet
+        return periodic
     session = LiveSession(place, h.rank, h.world_size, trainer.state, record=record,
                           wire=_WIRE.get(c.compression.name),
                           # a residual per rank (ddp)
                           feedback=c.compression.name in ("powersgd", "topk"))
-    if session.periodic:
-        h.comm.across = session.meet
     if in_hook(h.comm):  # the gradients cross the groups in DDP's hook
         session.attach(h.comm)
     return session
