@@ -3,8 +3,9 @@
 1. Without failures: the digits job of benchmarks/recovery.py on R replica groups of one
    process each (forked workers, policy exact), for each R of --groups: the median step
    time of group 0 (after the first fifth of the steps), the full quorums group 0 asked
-   the lighthouse for and their share of the run's time (the other steps reuse the last
-   quorum), and the step time of DDP over as many processes, run just before.
+   the lighthouse for and the share of the run's time of those after the first (the other
+   steps reuse the last quorum; the first waits for every group to start), and the step
+   time of DDP over as many processes, run just before.
 2. With failures: --kill-groups groups (default 16) for about --kill-for seconds, a random
    group's worker SIGKILLed every --kill-every seconds (the next kill waits until the last
    one's replacement has committed a step): kills done, goodput (committed steps per second

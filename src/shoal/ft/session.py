@@ -94,7 +94,8 @@ class LiveSession:
         self.quorums = 0
         """Quorums this process asked the lighthouse for, for its steps (not reused)."""
         self.quorum_seconds = 0.0
-        """The time this process spent in them (a heal included)."""
+        """The time this process spent in them, but its first (where it waits for every
+        group to start, or heals as a replacement: ``healed``)."""
         self._participants = place.groups
         self._started = 0.0
         self._in_quorum = False  # waiting for the other groups at a quorum
@@ -209,7 +210,8 @@ class LiveSession:
                and self._quorum.participants < self.place.groups):
             time.sleep(0.05)
             self._quorum = self._meet()
-        self.quorum_seconds += time.monotonic() - self._started
+        if self.quorums > 1:
+            self.quorum_seconds += time.monotonic() - self._started
         if self._quorum.healed:
             took = time.monotonic() - self._started
             self.healed.append({"step": self._received_step, "bytes": self._received,
