@@ -144,6 +144,10 @@ class TopKAcrossGroups(TopKHook):
         self.replica: Replica | None = None
         self.muted = False
         self._carried: torch.Tensor | None = None
+        self.last: tuple[torch.Tensor, int] | None = None
+        """The last step's selections of every group, as gathered, and the groups that
+        took part: what its mean is made of (``sum_of_selections``), far smaller than the
+        mean (None: the step crossed no group)."""
 
     def carry(self, numbers: torch.Tensor) -> bool:
         """Have ``numbers`` (float32) summed over the groups with the coming backward's
@@ -165,6 +169,7 @@ class TopKAcrossGroups(TopKHook):
     def _gather(self, payload: torch.Tensor
                 ) -> tuple[torch.futures.Future[torch.Tensor], int]:
         carried, self._carried = self._carried, None
+        self.last = None
         if self.replica is None or self.muted:
             return super()._gather(payload)  # a group of one process: its own
         groups = self.replica.participants
@@ -180,6 +185,7 @@ class TopKAcrossGroups(TopKHook):
             if carried is not None:  # (float64: exact for these sums)
                 numbers = every[:, n:].contiguous().view(torch.float32)
                 carried.copy_(numbers.double().sum(0).to(carried.dtype))
+            self.last = every[:, :n], groups
             return every[:, :n]
 
         return self.replica.start_gather(sent).then(rows), groups

@@ -46,7 +46,12 @@ from shoal.ft.step import (
     state_bytes,
     unflatten,
 )
+from shoal.parallel.topk import sum_of_selections
 from shoal.runtime import heartbeat
+
+Logged = tuple[torch.Tensor | tuple[torch.Tensor, int], tuple[float, int]]
+"""A step's mean (or the selections it was made of, with the groups' number) and its losses
+of every group."""
 
 
 class LiveSession:
@@ -110,9 +115,11 @@ class LiveSession:
         self._next = False  # what the step's numbers said of the next (see ``_due``)
         self._round_at = 0.0  # when the last hand-over was kept
         self._round_cost = 0.0  # the seconds a hand-over took this process (see ``_due``)
-        # The averaged gradients since the round, with each step's losses of every group.
-        self._log: list[tuple[torch.Tensor, tuple[float, int]]] = []
-        self._replay: list[tuple[torch.Tensor, tuple[float, int]]] = []  # redone alone
+        # Each step's mean since the round (``_log_step``), with its losses of every group.
+        self._log: list[Logged] = []
+        self._replay: list[Logged] = []  # redone alone
+        self._log_bytes = 0  # the log's, against the round's state (see ``_due``)
+        self._round_bytes = 0
         self._kept: dict | None = None  # this rank's private state as the step began
         self._pending: dict | None = None  # the state a round keeps if this step commits
         self._gathered: tuple | None = None  # every group's private state, with it
@@ -141,6 +148,8 @@ class LiveSession:
             self.state.load_state_dict({**state["round"], **private}, heal=True)
             self.round, self._rows = state["round"], state["rows"]
             self._log, self._replay = list(state["log"]), list(state["log"])
+            self._log_bytes = sum(state_bytes(mean) for mean, _ in self._log)
+            self._round_bytes = state_bytes(self.round) + self._rows[0].numel()
             self._hand_next = False
             self._received_step = state["round"]["global_step"]
         else:
@@ -255,8 +264,11 @@ class LiveSession:
         ``losses``: this rank's loss sum in the step and its micro-batches, whose sum with
         the other groups' travels with the average (``step_losses``)."""
         if self._replay:  # a logged step redone alone: the others' mean, as it was
-            flat, self.step_losses = self._replay.pop(0)
-            unflatten(flat, grads)
+            mean, self.step_losses = self._replay.pop(0)
+            if isinstance(mean, tuple):  # topk: every group's selection
+                like = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
+                mean = sum_of_selections(mean[0], like, mean[1])
+            unflatten(mean, grads)
             return StepOutcome.COMMITTED
         quorum, self._quorum = self._quorum, None
         self._steady = False  # until this step commits with every group in it
@@ -373,14 +385,17 @@ class LiveSession:
     def _due(self) -> bool:
         """This group would hand over in the next step: ``compression_state_every`` steps
         after the last hand-over, and no sooner than the hand-over's time divided by
-        ``compression_state_share``. The groups hand over in the step after one that
-        committed with any group's numbers saying so (every group that committed it read
-        the same sum; a step that did not commit clears it, in every group)."""
+        ``compression_state_share``, unless the log since holds as many bytes as the state
+        a hand-over keeps (host memory stays within two such states). The groups hand over
+        in the step after one that committed with any group's numbers saying so (every
+        group that committed it read the same sum; a step that did not commit clears it,
+        in every group)."""
         if self.round is None or self._pending is not None:  # a hand-over is under way
             return False
         return (self.state.global_step + 1 - self.round["global_step"] >= self._every
                 and (self._share >= 1  # (then exactly every so many steps)
-                     or time.monotonic() - self._round_at >= self._round_cost / self._share))
+                     or time.monotonic() - self._round_at >= self._round_cost / self._share
+                     or self._log_bytes >= self._round_bytes))
 
     def _hand_over(self) -> None:
         """After a logged step's average: the hand-over of the compression state, when one
@@ -395,14 +410,24 @@ class LiveSession:
 
     def _log_step(self, grads: Sequence[torch.Tensor] | None) -> None:
         """After a step's vote: keep its mean (``grads``; None: it did not commit), and the
-        hand-over that came with it."""
-        if grads is not None:
-            if self._pending is not None and self._gathered is not None:
-                self.round, self._rows, self._log = self._pending, self._gathered, []
-                self._round_at = time.monotonic()
-            self._log.append((torch.cat([g.reshape(-1) for g in grads]).cpu(),
-                              self.step_losses))
+        hand-over that came with it. Under topk in DDP's hook, the mean is kept as the
+        groups' selections it was made of (about 2 x ratio x groups of its bytes)."""
+        if grads is None:
+            self._pending = self._gathered = None
+            return
+        if self._pending is not None and self._gathered is not None:
+            self.round, self._rows, self._log = self._pending, self._gathered, []
+            self._round_at, self._log_bytes = time.monotonic(), 0
+            self._round_bytes = state_bytes(self.round) + self._rows[0].numel()
         self._pending = self._gathered = None
+        last = self._across.last if isinstance(self._across, TopKAcrossGroups) else None
+        mean: torch.Tensor | tuple[torch.Tensor, int]
+        if last is not None:
+            mean = (last[0].cpu().contiguous(), last[1])
+        else:
+            mean = torch.cat([g.reshape(-1) for g in grads]).cpu()
+        self._log.append((mean, self.step_losses))
+        self._log_bytes += state_bytes(mean)
 
     def finish(self) -> None:
         """After the last step: one more quorum. A commit vote is taken inside each group,

@@ -30,6 +30,20 @@ def select(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return positions, values, residual
 
 
+def sum_of_selections(rows: torch.Tensor, like: torch.Tensor, divisor: int) -> torch.Tensor:
+    """The mean of every rank's selection: ``rows`` (one per rank: its values' bytes, then
+    their int32 positions' bytes), scattered into zeros shaped and typed like ``like``
+    (the flat gradient), summed in rank order and divided by ``divisor``."""
+    total = torch.zeros_like(like)
+    k = rows.shape[1] // (like.element_size() + 4)
+    n_value_bytes = k * like.element_size()
+    for chunk in rows:
+        total.index_add_(0, chunk[n_value_bytes:].view(torch.int32).long(),
+                         chunk[:n_value_bytes].view(like.dtype))
+    total /= divisor
+    return total
+
+
 class TopKHook:
     """State and hook: ``model.register_comm_hook(state, TopKHook.hook)``."""
 
@@ -86,17 +100,11 @@ class TopKHook:
         # One message per rank: the values' bytes, then the int32 positions' bytes.
         payload = torch.cat([values.view(torch.uint8),
                              positions.to(torch.int32).view(torch.uint8)])
-        n_value_bytes = values.numel() * values.element_size()
         rows, divisor = self._gather(payload)
 
         def finish(gathered: torch.futures.Future[torch.Tensor]) -> None:
-            try:
-                total = torch.zeros_like(flat)
-                for chunk in gathered.value():  # raises if the gather failed
-                    got_values = chunk[:n_value_bytes].view(flat.dtype)
-                    got_positions = chunk[n_value_bytes:].view(torch.int32).long()
-                    total.index_add_(0, got_positions, got_values)
-                total /= divisor
+            try:  # (value() raises if the gather failed)
+                total = sum_of_selections(gathered.value(), flat, divisor)
                 for bucket, future in held:
                     # Into the bucket's own buffer: DDP reads a result from its storage's
                     # start.
