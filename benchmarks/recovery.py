@@ -12,6 +12,8 @@
    kills against DDP's, the bytes and time of each heal, and the run's length.
    A mode's figures without kills are medians of --pairs runs alternated with DDP's (the
    machine's speed drifts between runs).
+   A live mode's run in which a worker that was not killed was restarted is kept (its
+   steps and the job's output), and its folder named.
    `--json FILE` writes them, one object per mode. `--kills 0` measures only each mode's
    step rate without kills against DDP's (the cost of live recovery while nothing fails).
 2. Save: a model + AdamW state of --state-mb megabytes (>= 500), saved by one process:
@@ -119,7 +121,8 @@ def _run_job(mode: str, steps: int, schedule: list[tuple[int, int]],
            "--schedule", json.dumps(schedule), "--compression", compression]
     if mode == "restart":
         cmd.append("--checkpoints")
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(out / "output.txt", "wb") as output:  # the job's lines, kept where odd
+        subprocess.run(cmd, check=True, stdout=output, stderr=subprocess.STDOUT)
     return out
 
 
@@ -224,7 +227,11 @@ def measure_recovery(steps: int, kills: int, seed: int, compression: str = "none
         figures = _figures(mode, out, schedule, baseline, calm[kind])
         figures["rate_vs_ddp"] = vs_ddp[kind]  # the mode's cost without failures
         results.append(figures)
-        shutil.rmtree(out, ignore_errors=True)
+        if mode != "restart" and figures["survivor_restarts"]:
+            print(f"  {mode}: a worker that was not killed was restarted; the run's steps "
+                  f"and output are kept in {out}", file=sys.stderr)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(baseline, ignore_errors=True)
     return results
 
