@@ -41,9 +41,9 @@ class PeriodicSession(LiveSession):
         """After the last step: nothing (the last meeting held every group)."""
 
     def join(self, blank: Callable[[], torch.Tensor]) -> StepOutcome:
-        """At this process's first step: meet the others. At the job's
-        start every group is at step 0 and this is a meeting with nothing to average. A
-        replacement heals here: under 'exact' from its own group's state at the last meeting
+        """At this process's first step: meet the others. At the job's start every group
+        is at step 0 and this is a meeting with nothing to average. A replacement heals
+        here: under 'exact' from its own group's state at the last meeting
         (HEALED: it redoes its steps since, and the others wait at the meeting); under
         'available' from a live group's state now (GO, with ``joins_meeting``: it takes
         this meeting's mean without adding to it, and ``after_meeting`` says HEALED).

@@ -420,7 +420,9 @@ class LiveSession:
             self._round_at, self._log_bytes = time.monotonic(), 0
             self._round_bytes = state_bytes(self.round) + self._rows[0].numel()
         self._pending = self._gathered = None
-        last = self._across.last if isinstance(self._across, TopKAcrossGroups) else None
+        last = None
+        if isinstance(self._across, TopKAcrossGroups):  # (taken: each step's once)
+            last, self._across.last = self._across.last, None
         mean: torch.Tensor | tuple[torch.Tensor, int]
         if last is not None:
             mean = (last[0].cpu().contiguous(), last[1])
