@@ -146,11 +146,8 @@ class LiveSession:
             mine = rows[self.place.group, :int(lengths[self.place.group])]
             private = torch.load(io.BytesIO(mine.numpy().tobytes()), weights_only=True)
             self.state.load_state_dict({**state["round"], **private}, heal=True)
-            self.round, self._rows = state["round"], state["rows"]
-            self._log, self._replay = list(state["log"]), list(state["log"])
-            self._log_bytes = sum(state_bytes(mean) for mean, _ in self._log)
-            self._round_bytes = state_bytes(self.round) + self._rows[0].numel()
-            self._hand_next = False
+            self._keep_round(state["round"], state["rows"], list(state["log"]))
+            self._replay, self._hand_next = list(state["log"]), False
             self._received_step = state["round"]["global_step"]
         else:
             self.state.load_state_dict(state["trainer"], heal=True)
@@ -412,14 +409,12 @@ class LiveSession:
         """After a step's vote: keep its mean (``grads``; None: it did not commit), and the
         hand-over that came with it. Under topk in DDP's hook, the mean is kept as the
         groups' selections it was made of (about 2 x ratio x groups of its bytes)."""
+        pending, gathered, self._pending, self._gathered = (self._pending, self._gathered,
+                                                            None, None)
         if grads is None:
-            self._pending = self._gathered = None
             return
-        if self._pending is not None and self._gathered is not None:
-            self.round, self._rows, self._log = self._pending, self._gathered, []
-            self._round_at, self._log_bytes = time.monotonic(), 0
-            self._round_bytes = state_bytes(self.round) + self._rows[0].numel()
-        self._pending = self._gathered = None
+        if pending is not None and gathered is not None:
+            self._keep_round(pending, gathered, [])
         last = None
         if isinstance(self._across, TopKAcrossGroups):  # (taken: each step's once)
             last, self._across.last = self._across.last, None
@@ -430,6 +425,15 @@ class LiveSession:
             mean = torch.cat([g.reshape(-1) for g in grads]).cpu()
         self._log.append((mean, self.step_losses))
         self._log_bytes += state_bytes(mean)
+
+    def _keep_round(self, state: dict, rows: tuple[torch.Tensor, torch.Tensor],
+                    log: list[Logged]) -> None:
+        """Keep a hand-over's (or meeting's) state, every group's private state with it and
+        the log since, and when (the cadence, ``_due``, counts from here)."""
+        self.round, self._rows, self._log = state, rows, log
+        self._round_at = time.monotonic()
+        self._log_bytes = sum(state_bytes(mean) for mean, _ in log)
+        self._round_bytes = state_bytes(state) + rows[0].numel()
 
     def finish(self) -> None:
         """After the last step: one more quorum. A commit vote is taken inside each group,
