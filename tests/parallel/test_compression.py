@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 import shoal
 import shoal.errors
 from shoal.parallel.powersgd import PowerSGDHook
-from shoal.parallel.topk import TopKHook, select
+from shoal.parallel.topk import TopKHook, select, sum_of_selections
 from shoal.parallel.traffic import Traffic
 from tests.helpers import max_rel_diff
 from tests.training.reference import (
@@ -112,6 +112,28 @@ def test_select_partitions_the_gradient():
     rebuilt[positions] = values
     assert torch.equal(rebuilt, flat)
     assert (residual != 0).sum() == 990
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_of_selections_is_the_scattered_mean_from_any_row(dtype):
+    """Three ranks' messages (values' bytes, then int32 positions), k odd: a bfloat16 row
+    of 3 x (2 + 4) bytes puts the third rank's positions off a multiple of 4."""
+    generator = torch.Generator().manual_seed(0)
+    flats = [torch.randn(50, generator=generator).to(dtype) for _ in range(3)]
+    expected = torch.zeros(50, dtype=dtype)
+    rows = []
+    for flat in flats:
+        positions, values, _ = select(flat, 3)
+        expected.index_add_(0, positions, values)
+        rows.append(torch.cat([values.view(torch.uint8),
+                               positions.to(torch.int32).view(torch.uint8)]))
+    expected /= 3
+    gathered = torch.stack(rows)
+    assert torch.equal(sum_of_selections(gathered, flats[0], 3), expected)
+    # as kept in a live log: a view of rows gathered with more bytes after each
+    wider = torch.cat([gathered, torch.zeros(3, 12, dtype=torch.uint8)], 1)
+    assert torch.equal(sum_of_selections(wider[:, :gathered.shape[1]], flats[0], 3),
+                       expected)
 
 
 def _error_feedback(steps: int) -> dict:

@@ -115,15 +115,15 @@ class AcrossGroups:
         self.traffic.sent(all_reduce_bytes(sent.numel() * sent.element_size(), groups))
         self.traffic.launched()
 
-        def done(summed: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        def done(summed: torch.Tensor) -> torch.Tensor:
             self.traffic.done()
             if sent is not buffer:
-                buffer.copy_(summed.value()[:buffer.numel()])
+                buffer.copy_(summed[:buffer.numel()])
             if carried is not None:
-                carried.copy_(summed.value()[buffer.numel():])
+                carried.copy_(summed[buffer.numel():])
             return buffer
 
-        return self.replica.start_sum(sent).then(done)
+        return self.replica.start_sum(sent, then=done)
 
     def state_dict(self) -> dict:
         return {}
@@ -179,16 +179,15 @@ class TopKAcrossGroups(TopKHook):
         self.traffic.sent(all_gather_bytes(sent.numel(), groups))
         self.traffic.launched()
 
-        def rows(gathered: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        def rows(every: torch.Tensor) -> torch.Tensor:
             self.traffic.done()
-            every = gathered.value()
-            if carried is not None:  # (float64: exact for these sums)
-                numbers = every[:, n:].contiguous().view(torch.float32)
-                carried.copy_(numbers.double().sum(0).to(carried.dtype))
+            if carried is not None:  # each slot's sum is exact (see LiveSession._numbers)
+                numbers = every[:, n:] if n % 4 == 0 else every[:, n:].contiguous()
+                torch.sum(numbers.view(carried.dtype), 0, out=carried)
             self.last = every[:, :n], groups
             return every[:, :n]
 
-        return self.replica.start_gather(sent).then(rows), groups
+        return self.replica.start_gather(sent, then=rows), groups
 
 
 def apply_across_groups(model: DistributedDataParallel, traffic: Traffic,

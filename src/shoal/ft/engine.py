@@ -26,6 +26,9 @@ from shoal.ft.config import FaultToleranceConfig, ReplicaPlace
 if TYPE_CHECKING:
     import torch
 
+After = Callable[["torch.Tensor"], "torch.Tensor"]
+"""What a collective's result goes through before its future holds it."""
+
 _MISSING = f"live recovery needs torchft: {install_line('ft')}"
 
 
@@ -240,22 +243,26 @@ class Replica:
         marked as errored, and later collectives of the step are skipped."""
         self.start_sum(tensor).wait()
 
-    def start_sum(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def start_sum(self, tensor: torch.Tensor, then: After | None = None
+                  ) -> torch.futures.Future[torch.Tensor]:
         """``sum``, started: the future's value is ``tensor``, summed in place once it is
-        done. It never fails: a failed sum marks the step as errored (its values are then
-        not used, as the step does not commit), so that a DDP hook never raises."""
+        done (``then(tensor)`` where given: one callback, not a chain of two). It never
+        fails: a failed sum marks the step as errored (its values are then not used, as the
+        step does not commit), so that a DDP hook never raises."""
         from torch.distributed import AllreduceOptions, ReduceOp
 
         options = AllreduceOptions()
         options.reduceOp = ReduceOp(ReduceOp.SUM)
         return self._start(tensor, lambda pg: pg.allreduce([tensor], options),
-                           lambda: tensor, tensor)
+                           lambda: tensor, tensor, then)
 
-    def start_gather(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def start_gather(self, tensor: torch.Tensor, then: After | None = None
+                     ) -> torch.futures.Future[torch.Tensor]:
         """Every group's ``tensor`` (a 1-d tensor of the same length in each), as the rows
-        of a (groups, length) tensor, on the process group the quorum configured. Never
-        fails, as ``start_sum``: a failed gather marks the step as errored (the step does
-        not commit), and its rows are then zeros."""
+        of a (groups, length) tensor, on the process group the quorum configured (or
+        ``then(rows)``, as ``start_sum``). Never fails, as ``start_sum``: a failed gather
+        marks the step as errored (the step does not commit), and its rows are then
+        zeros."""
         from torch.distributed.distributed_c10d import AllgatherOptions
 
         rows: list[torch.Tensor] = []
@@ -266,37 +273,39 @@ class Replica:
                                                       AllgatherOptions())
 
         return self._start(tensor, launch, lambda: rows[0],
-                           tensor.new_zeros(1, tensor.numel()))
+                           tensor.new_zeros(1, tensor.numel()), then)
 
     def _start(self, tensor: torch.Tensor, launch: Callable[[Any], Any],
-               result: Callable[[], torch.Tensor], failed: torch.Tensor
-               ) -> torch.futures.Future[torch.Tensor]:
+               result: Callable[[], torch.Tensor], failed: torch.Tensor,
+               then: After | None = None) -> torch.futures.Future[torch.Tensor]:
         """A collective of ``tensor`` across the groups (``launch(process group)`` starts
-        it; the future's value is then ``result()``, or ``failed`` where it fails). A group
-        that does not take part in the step sends zeros."""
+        it; the future's value is then ``result()``, or ``failed`` where it fails, passed
+        through ``then`` where given). A group that does not take part in the step sends
+        zeros."""
         m = self._manager
+        after = then if then is not None else _same
         if m.errored():
             # A step's collectives after its first failure are skipped, and the process
             # group closed: a group whose earlier collective of the step went through waits
             # for this one in the next, which then fails at once instead of after its
             # deadline.
             self.drop()
-            return _done(failed)
+            return _done(after(failed))
         if not m.is_participating():
             tensor.zero_()
         try:
             started = launch(m._pg).get_future()
         except Exception as exc:  # noqa: BLE001 - the process group is already gone
             m.report_error(exc)
-            return _done(failed)
+            return _done(after(failed))
 
         def finished(future: torch.futures.Future) -> torch.Tensor:
             try:
                 future.wait()
             except Exception as exc:  # noqa: BLE001 - a lost group, a timeout
                 m.report_error(exc)
-                return failed
-            return result()
+                return after(failed)
+            return after(result())
 
         return started.then(finished)
 
@@ -346,6 +355,10 @@ class Replica:
 
     def close(self) -> None:
         self._manager.shutdown(wait=False)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

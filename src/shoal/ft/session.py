@@ -259,7 +259,8 @@ class LiveSession:
         step) or AGAIN. (``averaged``: they were averaged in backward, by DDP's hook.)
         ``samples``: this group's samples in the step (what a missing group skipped);
         ``losses``: this rank's loss sum in the step and its micro-batches, whose sum with
-        the other groups' travels with the average (``step_losses``)."""
+        the other groups' travels with the average (``step_losses``; where ``averaged``,
+        they went with the gradients: ``send_numbers``)."""
         if self._replay:  # a logged step redone alone: the others' mean, as it was
             mean, self.step_losses = self._replay.pop(0)
             if isinstance(mean, tuple):  # topk: every group's selection
@@ -267,6 +268,7 @@ class LiveSession:
                 mean = sum_of_selections(mean[0], like, mean[1])
             unflatten(mean, grads)
             return StepOutcome.COMMITTED
+        assert not averaged or self._sending is not None  # (send_numbers)
         quorum, self._quorum = self._quorum, None
         self._steady = False  # until this step commits with every group in it
         with heartbeat.waiting():  # each wait for the other groups has its own deadline
@@ -364,7 +366,8 @@ class LiveSession:
         commit vote is taken inside each group), it hands over its compression state in
         this step (then every group does), and it would hand over in the next (``_due``),
         with the length of what it hands over (in a slot of its own, as two parts that
-        float32 holds exactly)."""
+        float32 holds exactly). Each slot's sum over the groups is exact in float32, in any
+        order: one group's part (zeros from the others), or a count."""
         due = (not self.replica.alone
                or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
         groups, group = self.place.groups, self.place.group
@@ -420,7 +423,7 @@ class LiveSession:
             last, self._across.last = self._across.last, None
         mean: torch.Tensor | tuple[torch.Tensor, int]
         if last is not None:
-            mean = (last[0].cpu().contiguous(), last[1])
+            mean = (last[0].cpu(), last[1])  # (a view of the gathered rows: no copy)
         else:
             mean = torch.cat([g.reshape(-1) for g in grads]).cpu()
         self._log.append((mean, self.step_losses))

@@ -38,10 +38,18 @@ def sum_of_selections(rows: torch.Tensor, like: torch.Tensor, divisor: int) -> t
     k = rows.shape[1] // (like.element_size() + 4)
     n_value_bytes = k * like.element_size()
     for chunk in rows:
-        total.index_add_(0, chunk[n_value_bytes:].view(torch.int32).long(),
-                         chunk[:n_value_bytes].view(like.dtype))
+        total.index_add_(0, _read_as(chunk[n_value_bytes:], torch.int32).long(),
+                         _read_as(chunk[:n_value_bytes], like.dtype))
     total /= divisor
     return total
+
+
+def _read_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes ``raw`` (1-d) as ``dtype``; copied first where they do not start at a
+    multiple of its size (a row of 16-bit values whose count is odd)."""
+    if raw.storage_offset() % torch.empty((), dtype=dtype).element_size():
+        raw = raw.clone()
+    return raw.view(dtype)
 
 
 class TopKHook:

@@ -12,11 +12,11 @@ order of the additions, while the largest loss over the smallest, times the micr
 rank adds, stays under 2**29 (losses from 0.001 to 10 over 30,000 micro-batches): then the
 figure is bitwise the one of the run without the stop; beyond, its last bits may differ.
 
-In a live job a step that does not commit is done again: its losses are taken back
-(``mark`` before the step, ``rewind``). Each step's losses travel with its average across
-the replica groups (``step_sum``, then ``take_step``), so that rank r of every group holds
-the sums of rank r of all groups, the figure DDP over all of them reports; a replacement
-that heals takes a live group's sums with its state.
+In a live job a step's losses are summed apart (from ``mark``) and travel with its average
+across the replica groups (``step_sum``, then ``take_step``), so that rank r of every group
+holds the sums of rank r of all groups, the figure DDP over all of them reports; a step that
+does not commit is done again, and its losses are dropped (``rewind``). A replacement that
+heals takes a live group's sums with its state.
 """
 
 from __future__ import annotations
@@ -54,35 +54,38 @@ class EpochLoss:
             total, batches = carried.sum * scale, round(carried.batches * scale)
         self.sum = torch.full((), total, device=device, dtype=torch.float64)
         self.batches = batches
-        self._marked: tuple[torch.Tensor, int] | None = None
-        self._step: torch.Tensor | None = None  # a live step's own losses since mark
+        self._marked: int | None = None  # the batches at a live step's start (``mark``)
+        self._step: list[torch.Tensor] = []  # that step's own losses so far
 
     def add(self, loss: torch.Tensor) -> None:
-        self.sum += loss.detach()
         self.batches += 1
-        if self._step is not None:
-            self._step += loss.detach()
+        if self._marked is None:
+            self.sum += loss.detach()
+        else:  # a live step's: summed at its end (``step_sum``)
+            self._step.append(loss.detach())
 
     def mark(self) -> None:
-        """Remember the sums here: a step that does not commit goes back to them. (A live
-        step: its own losses are summed apart too, see ``step_sum``.)"""
-        self._marked = (self.sum.clone(), self.batches)
-        self._step = torch.zeros((), device=self.sum.device, dtype=torch.float64)
+        """A live step starts: its losses are kept apart until ``take_step`` (a step that
+        does not commit drops them: ``rewind``)."""
+        self._marked, self._step = self.batches, []
 
     def step_sum(self, coming: torch.Tensor | None = None) -> tuple[float, int]:
-        """This rank's losses since ``mark`` (float64) and their micro-batches, with the
-        loss ``coming`` (not added yet) when given."""
-        assert self._marked is not None and self._step is not None  # after mark
-        if coming is None:
-            return float(self._step), self.batches - self._marked[1]
-        return float(self._step + coming.detach()), self.batches + 1 - self._marked[1]
+        """This rank's losses since ``mark``, summed in float64 in their order, and their
+        micro-batches, with the loss ``coming`` (not added yet) when given."""
+        assert self._marked is not None  # after mark
+        losses = self._step if coming is None else [*self._step, coming.detach()]
+        total = 0.0
+        for loss in losses:
+            total += float(loss)  # (float32 and narrower: exact in float64)
+        return total, self.batches - self._marked + (coming is not None)
 
     def take_step(self, total: float, batches: int) -> None:
-        """The step's losses of every group (the same rank of each): the sums at ``mark``
-        plus these, in place of this group's own."""
+        """The step's losses of every group (the same rank of each), added to the sums in
+        place of this group's own."""
         assert self._marked is not None  # after mark
-        self.sum.copy_(self._marked[0] + total)
-        self.batches = self._marked[1] + batches
+        self.sum += total
+        self.batches = self._marked + batches
+        self._marked, self._step = None, []
 
     def state(self) -> list:
         """[sum, batches]: what a replacement group takes over."""
@@ -97,10 +100,10 @@ class EpochLoss:
         return loss
 
     def rewind(self) -> None:
-        """Back to the sums at the last ``mark`` (none: as they are)."""
+        """Drop the losses of the step under way since ``mark`` (none: as they are)."""
         if self._marked is not None:
-            self.sum.copy_(self._marked[0])
-            self.batches = self._marked[1]
+            self.batches = self._marked
+            self._marked, self._step = None, []
 
     def totals(self, world_size: int) -> tuple[float, int]:
         """(sum, count) over every rank. Collective where ``world_size`` > 1."""

@@ -124,10 +124,10 @@ def end_step(t: Trainer, window_samples: int | None) -> StepOutcome:
     if live.periodic:
         live.count_samples(samples)
         return StepOutcome.COMMITTED
-    averaged = in_hook(t.harness.comm)  # in backward already
+    averaged = in_hook(t.harness.comm)  # in backward already, with the step's losses
     grads = gradients(t.model) if live.logs or not averaged else []
-    outcome = live.end_step(grads, samples, state.global_step, state.epoch_loss.step_sum(),
-                            averaged=averaged)
+    losses = (0.0, 0) if averaged else state.epoch_loss.step_sum()
+    outcome = live.end_step(grads, samples, state.global_step, losses, averaged=averaged)
     if outcome is StepOutcome.AGAIN:
         t.optimizer.zero_grad(set_to_none=True)
         state.epoch_loss.rewind()
