@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from shoal.ft.config import ReplicaPlace
+from shoal.ft.rounds import serialized
 from shoal.ft.session import LiveSession
 from shoal.ft.step import GroupState, StepOutcome
 
@@ -80,7 +81,8 @@ class PeriodicSession(LiveSession):
             self._moved = False
             return StepOutcome.HEALED
         if self.round_due:
-            self.round, self.round_due = copy.deepcopy(self.state.state_dict(heal=True)), False
+            self.rounds.state = copy.deepcopy(self.state.state_dict(heal=True))
+            self.round_due = False
         return StepOutcome.GO
 
     def count_samples(self, samples: int) -> None:
@@ -107,7 +109,7 @@ class PeriodicSession(LiveSession):
                           "(a replica group failed or is catching up): it is held again")
                 said = True
         self._contributes = True
-        self._rows, self.round_due = rows, self._exact
+        self.rounds.rows, self.round_due = rows, self._exact
         groups = self.place.groups
         if bringing < groups and not start:
             self.skipped_samples += (groups - bringing) * self._round_samples
@@ -147,8 +149,7 @@ class PeriodicSession(LiveSession):
         bringing = round(float(sent[-1]))
         rows = None
         if self._exact:
-            rows = self._gather(b"" if abstain else self._serialized(
-                self.state.private_state()))
+            rows = self._gather(b"" if abstain else serialized(self.state.private_state()))
             if bringing < groups:
                 self.replica.abstain()
             return sent[:-1], bringing, rows

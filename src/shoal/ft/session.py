@@ -16,8 +16,8 @@ and seldom enough that hand-overs take at most ``compression_state_share`` of th
 group hands the others its compression state, and each keeps the averaged gradients of the
 steps since: a replacement starts again from there with its own group's compression
 state and redoes those steps alone (their forward and backward, with the others' mean),
-while the others wait at the next quorum. A step that does not commit is undone in the
-compression state too.
+while the others wait at the next quorum (``shoal.ft.rounds`` keeps the hand-over and the
+log). A step that does not commit is undone in the compression state too.
 
 The periodic strategies (local_sgd, diloco) meet the other groups only every few steps:
 ``shoal.ft.periodic``.
@@ -26,7 +26,6 @@ The periodic strategies (local_sgd, diloco) meet the other groups only every few
 from __future__ import annotations
 
 import copy
-import io
 import os
 import sys
 import time
@@ -37,21 +36,10 @@ import torch
 from shoal.ft.across import AcrossGroups, TopKAcrossGroups
 from shoal.ft.config import ReplicaPlace
 from shoal.ft.engine import Quorum
-from shoal.ft.step import (
-    SPLIT,
-    GroupState,
-    LiveError,
-    StepOutcome,
-    loss_parts,
-    state_bytes,
-    unflatten,
-)
+from shoal.ft.rounds import Rounds, gather_blobs, serialized
+from shoal.ft.step import GroupState, LiveError, StepOutcome, loss_parts, state_bytes, unflatten
 from shoal.parallel.topk import sum_of_selections
 from shoal.runtime import heartbeat
-
-Logged = tuple[torch.Tensor | tuple[torch.Tensor, int], tuple[float, int]]
-"""A step's mean (or the selections it was made of, with the groups' number) and its losses
-of every group."""
 
 
 class LiveSession:
@@ -87,11 +75,6 @@ class LiveSession:
         self._sending: torch.Tensor | torch.futures.Future[torch.Tensor] | None = None
         # Where the gradients cross the groups in DDP's hook (``attach``).
         self._across: AcrossGroups | TopKAcrossGroups | None = None
-        self._brought, self._handing = 0, False  # what a logged step's numbers said
-        self._blob = b""  # this rank's compression state, serialized, when it hands over
-        # Every group's, from the step's numbers (None: sent in a precision that does not
-        # hold them exactly; then gathered with the blobs).
-        self._lengths: list[int] | None = None
         self.step_losses: tuple[float, int] = (0.0, 0)
         """The last step's losses of this rank and the same rank of every other group: their
         sum (float64) and micro-batches (see ``end_step``)."""
@@ -107,26 +90,14 @@ class LiveSession:
         self._leaving: int | None = None  # the exit code of a stop in a quorum wait
         self._feedback = feedback
         self._exact = place.config.policy == "exact"
-        # 'exact' under powersgd, topk: rounds of the compression state, and a log.
+        # 'exact' under powersgd, topk: hand-overs of the compression state, and a log.
         self._logged = self._exact and self._feedback
-        self._every = place.config.compression_state_every
-        self._share = place.config.compression_state_share
-        self._hand_next = False  # the last step committed, and its numbers said: hand over
-        self._next = False  # what the step's numbers said of the next (see ``_due``)
-        self._round_at = 0.0  # when the last hand-over was kept
-        self._round_cost = 0.0  # the seconds a hand-over took this process (see ``_due``)
-        # Each step's mean since the round (``_log_step``), with its losses of every group.
-        self._log: list[Logged] = []
-        self._replay: list[Logged] = []  # redone alone
-        self._log_bytes = 0  # the log's, against the round's state (see ``_due``)
-        self._round_bytes = 0
-        self._kept: dict | None = None  # this rank's private state as the step began
-        self._pending: dict | None = None  # the state a round keeps if this step commits
-        self._gathered: tuple | None = None  # every group's private state, with it
-        self.round: dict | None = None
+        self.rounds = Rounds(place.config.compression_state_every,
+                             place.config.compression_state_share)
         """'exact': this group's state at the last meeting (periodic) or hand-over (under
-        powersgd, topk)."""
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # every group's private
+        powersgd, topk), and the steps since."""
+        self._kept: dict | None = None  # this rank's private state as the step began
+        self._gathered: tuple | None = None  # every group's private state, in a hand-over
         try:
             self.replica = Replica(place, group_rank, group_size, self._send, self._receive)
         except RuntimeError as exc:  # torchft's: the lighthouse does not answer
@@ -134,20 +105,15 @@ class LiveSession:
                             f"({str(exc).splitlines()[0][:200]})") from None
 
     def _send(self) -> dict:
-        if self.round is not None:  # 'exact': the last meeting's or hand-over's state
-            return {"round": self.round, "rows": self._rows, "log": list(self._log),
-                    "skipped_samples": self.skipped_samples}
+        if self.rounds.state is not None:  # 'exact': the last meeting's or hand-over's
+            return {**self.rounds.sent(), "skipped_samples": self.skipped_samples}
         return {"trainer": self.state.state_dict(heal=True),
                 "skipped_samples": self.skipped_samples}
 
     def _receive(self, state: dict) -> None:
-        if "round" in state:  # this group's own state at the last meeting
-            rows, lengths = state["rows"]
-            mine = rows[self.place.group, :int(lengths[self.place.group])]
-            private = torch.load(io.BytesIO(mine.numpy().tobytes()), weights_only=True)
-            self.state.load_state_dict({**state["round"], **private}, heal=True)
-            self._keep_round(state["round"], state["rows"], list(state["log"]))
-            self._replay, self._hand_next = list(state["log"]), False
+        if "round" in state:  # this group's own state at the last meeting or hand-over
+            self.state.load_state_dict(self.rounds.received(state, self.place.group),
+                                       heal=True)
             self._received_step = state["round"]["global_step"]
         else:
             self.state.load_state_dict(state["trainer"], heal=True)
@@ -164,24 +130,25 @@ class LiveSession:
         """Meet the other groups for the next step (once, also when the step is started
         again after a heal): GO, or HEALED (this group now holds a live group's state)."""
         if self._logged and self._across is not None:  # topk, in DDP's hook
-            self._across.muted = bool(self._replay)  # a step redone alone crosses nothing
-        if self._replay:  # a logged step, redone alone
+            self._across.muted = bool(self.rounds.replay)  # redone alone: crosses nothing
+        if self.rounds.replay:  # a logged step, redone alone
             return StepOutcome.GO
         if self._quorum is None:
             if self._steady:  # nothing changed since the last quorum: no round trip
                 self._quorum = self.replica.again()
             elif self._start_quorum().healed:
-                if self._replay:
+                if self.rounds.replay:
                     self._sit_out()
                 return StepOutcome.HEALED
         if self._feedback:
             self._kept = self.state.private_state()
-            self._blob = b""
-            if self._logged and (self.round is None or self._hand_next):
+            rounds = self.rounds
+            rounds.blob = b""
+            if self._logged and (rounds.state is None or rounds.hand_next):
                 started = time.monotonic()
-                self._pending = copy.deepcopy(self.state.state_dict(heal=True))
-                self._blob = self._serialized(self._kept)
-                self._round_cost = time.monotonic() - started
+                rounds.pending = copy.deepcopy(self.state.state_dict(heal=True))
+                rounds.blob = serialized(self._kept)
+                rounds.cost = time.monotonic() - started
         return StepOutcome.GO
 
     def _sit_out(self) -> None:
@@ -197,13 +164,13 @@ class LiveSession:
                 self._read(numbers)
             else:
                 self._average(zeros, brings=False)
-            if self._handing:  # the others hand over their compression state in this step
-                self._gather(b"", self._lengths)
+            if self.rounds.handing:  # the others hand over their compression state now
+                self._gather(b"", self.rounds.lengths)
             self.replica.abstain()
             self.replica.commit()
         self._say(f"redoes steps {self._received_step + 1} to "
-                  f"{self._received_step + len(self._replay)} alone while the other groups "
-                  "wait")
+                  f"{self._received_step + len(self.rounds.replay)} alone while the other "
+                  "groups wait")
 
     def _start_quorum(self) -> Quorum:
         """The quorum of a step (kept for it), which a group behind heals in. A job starts
@@ -261,8 +228,8 @@ class LiveSession:
         ``losses``: this rank's loss sum in the step and its micro-batches, whose sum with
         the other groups' travels with the average (``step_losses``; where ``averaged``,
         they went with the gradients: ``send_numbers``)."""
-        if self._replay:  # a logged step redone alone: the others' mean, as it was
-            mean, self.step_losses = self._replay.pop(0)
+        if self.rounds.replay:  # a logged step redone alone: the others' mean, as it was
+            mean, self.step_losses = self.rounds.replay.pop(0)
             if isinstance(mean, tuple):  # topk: every group's selection
                 like = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)
                 mean = sum_of_selections(mean[0], like, mean[1])
@@ -278,7 +245,7 @@ class LiveSession:
             committed = self.replica.commit()
         if self._logged:
             self._log_step(grads if committed else None)
-            self._hand_next = committed and self._next
+            self.rounds.hand_next = committed and self.rounds.next
         if not committed:
             self.replica.drop()  # a group that committed fails its next step at once
             if self._kept is not None:  # the step's error feedback is undone too
@@ -338,13 +305,9 @@ class LiveSession:
         got, losses = summed.tolist(), 3 * self.place.groups
         self.step_losses = (sum(got[:losses]), round(got[losses]))
         self._asked = got[losses + 1] > 0
-        if self._logged:
-            self._brought, self._handing = round(got[losses + 2]), got[losses + 3] > 0
-            self._next = got[losses + 4] > 0
-            parts = got[losses + 5:]
-            exact = summed.dtype in (torch.float32, torch.float64)  # hold each part exactly
-            self._lengths = [round(parts[2 * g]) * SPLIT + round(parts[2 * g + 1])
-                             for g in range(self.place.groups)] if exact else None
+        if self._logged:  # (float32 and float64 hold each part exactly)
+            self.rounds.read(got[losses + 2:], self.place.groups,
+                             exact=summed.dtype in (torch.float32, torch.float64))
 
     def send_numbers(self, losses: tuple[float, int]) -> None:
         """When the gradients cross the groups in backward (``attach``), before the step's
@@ -352,7 +315,7 @@ class LiveSession:
         they can, else their sum starts now, while backward computes. (Not for a step redone
         alone.)"""
         assert self._across is not None  # attached
-        if self._replay:
+        if self.rounds.replay:
             return
         numbers = self._numbers(losses, None)
         self._sending = (numbers if self._across.carry(numbers)
@@ -362,62 +325,43 @@ class LiveSession:
                  brings: bool = True) -> torch.Tensor:
         """The step's numbers: each group's loss sum in slots of its own, the micro-batches,
         and whether this group asks for a full quorum; under 'exact' with error feedback,
-        three flags: this group brings its step (every group must, or none commits: a
-        commit vote is taken inside each group), it hands over its compression state in
-        this step (then every group does), and it would hand over in the next (``_due``),
-        with the length of what it hands over (in a slot of its own, as two parts that
-        float32 holds exactly). Each slot's sum over the groups is exact in float32, in any
-        order: one group's part (zeros from the others), or a count."""
+        the hand-over's (``Rounds.numbers``: a commit vote is taken inside each group, so
+        whether every group brings its step travels here). Each slot's sum over the groups
+        is exact in float32, in any order: one group's part (zeros from the others), or a
+        count."""
         due = (not self.replica.alone
                or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
         groups, group = self.place.groups, self.place.group
         tail = [0.0] * (3 * groups) + [float(losses[1]), float(due)]
         tail[3 * group:3 * group + 3] = loss_parts(losses[0])
         if self._logged:
-            handing = brings and self._pending is not None
-            lengths = [0.0] * (2 * groups)
-            if handing:
-                lengths[2 * group:2 * group + 2] = divmod(len(self._blob), SPLIT)
-            tail += [float(brings), float(handing), float(brings and self._due()), *lengths]
+            hand = self.rounds.due(self.state.global_step + 1)
+            tail += self.rounds.numbers(brings, hand, group, groups)
         return torch.tensor(tail, dtype=like.dtype if like is not None else torch.float32,
                             device=like.device if like is not None else None)
-
-    def _due(self) -> bool:
-        """This group would hand over in the next step: ``compression_state_every`` steps
-        after the last hand-over, and no sooner than the hand-over's time divided by
-        ``compression_state_share``, unless the log since holds as many bytes as the state
-        a hand-over keeps (host memory stays within two such states). The groups hand over
-        in the step after one that committed with any group's numbers saying so (every
-        group that committed it read the same sum; a step that did not commit clears it,
-        in every group)."""
-        if self.round is None or self._pending is not None:  # a hand-over is under way
-            return False
-        return (self.state.global_step + 1 - self.round["global_step"] >= self._every
-                and (self._share >= 1  # (then exactly every so many steps)
-                     or time.monotonic() - self._round_at >= self._round_cost / self._share
-                     or self._log_bytes >= self._round_bytes))
 
     def _hand_over(self) -> None:
         """After a logged step's average: the hand-over of the compression state, when one
         is due; a vote against the step when a group did not bring it."""
-        self._gathered = None
-        if self._handing:
+        rounds, self._gathered = self.rounds, None
+        if rounds.handing:
             started = time.monotonic()
-            self._gathered = self._gather(self._blob, self._lengths)
-            self._round_cost += time.monotonic() - started
-        if self._brought < self.place.groups:
+            self._gathered = self._gather(rounds.blob, rounds.lengths)
+            rounds.cost += time.monotonic() - started
+        if rounds.brought < self.place.groups:
             self.replica.abstain()
 
     def _log_step(self, grads: Sequence[torch.Tensor] | None) -> None:
         """After a step's vote: keep its mean (``grads``; None: it did not commit), and the
         hand-over that came with it. Under topk in DDP's hook, the mean is kept as the
         groups' selections it was made of (about 2 x ratio x groups of its bytes)."""
-        pending, gathered, self._pending, self._gathered = (self._pending, self._gathered,
-                                                            None, None)
+        rounds = self.rounds
+        pending, gathered, rounds.pending, self._gathered = (rounds.pending, self._gathered,
+                                                             None, None)
         if grads is None:
             return
         if pending is not None and gathered is not None:
-            self._keep_round(pending, gathered, [])
+            rounds.keep(pending, gathered, [])
         last = None
         if isinstance(self._across, TopKAcrossGroups):  # (taken: each step's once)
             last, self._across.last = self._across.last, None
@@ -426,17 +370,7 @@ class LiveSession:
             mean = (last[0].cpu(), last[1])  # (a view of the gathered rows: no copy)
         else:
             mean = torch.cat([g.reshape(-1) for g in grads]).cpu()
-        self._log.append((mean, self.step_losses))
-        self._log_bytes += state_bytes(mean)
-
-    def _keep_round(self, state: dict, rows: tuple[torch.Tensor, torch.Tensor],
-                    log: list[Logged]) -> None:
-        """Keep a hand-over's (or meeting's) state, every group's private state with it and
-        the log since, and when (the cadence, ``_due``, counts from here)."""
-        self.round, self._rows, self._log = state, rows, log
-        self._round_at = time.monotonic()
-        self._log_bytes = sum(state_bytes(mean) for mean, _ in log)
-        self._round_bytes = state_bytes(state) + rows[0].numel()
+        rounds.log_step(mean, self.step_losses)
 
     def finish(self) -> None:
         """After the last step: one more quorum. A commit vote is taken inside each group,
@@ -453,37 +387,10 @@ class LiveSession:
             except Exception:  # noqa: BLE001 - torchft's: the others have ended
                 return
 
-    @staticmethod
-    def _serialized(state: dict | None) -> bytes:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return buffer.getvalue()
-
     def _gather(self, blob: bytes, lengths: list[int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every group's ``blob``, as rows of bytes (row g: group g's, its length apart):
-        the blobs, each after its group's number and length and padded to the longest,
-        gathered (a group missing from the step, or one that sends nothing, leaves its row
-        empty). ``lengths``: the groups' blob lengths, known already (else the longest is
-        gathered first)."""
-        group, groups = self.place.group, self.place.groups
-        if lengths is None:
-            lengths = self.replica.start_gather(torch.tensor([len(blob)])).wait().reshape(
-                -1).tolist()
-        longest = max(lengths, default=0)
-        rows = torch.zeros(groups, longest, dtype=torch.uint8)
-        found = torch.zeros(groups, dtype=torch.int64)
-        if longest == 0:
-            return rows, found
-        padded = torch.zeros(16 + longest, dtype=torch.uint8)
-        padded[:16] = torch.tensor([group + 1, len(blob)]).view(torch.uint8)
-        if blob:
-            padded[16:16 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        for row in self.replica.start_gather(padded).wait():
-            number, length = row[:16].clone().view(torch.int64).tolist()
-            if number:  # (0: a group that did not take part)
-                rows[number - 1], found[number - 1] = row[16:], length
-        return rows, found
+        """Every group's ``blob`` (``shoal.ft.rounds.gather_blobs``)."""
+        return gather_blobs(self.replica, self.place.group, self.place.groups, blob, lengths)
 
     @property
     def logs(self) -> bool:
