@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.examples.digits import build_data, build_model
-from tests.ft.runs import REPLACED_ONCE, Runs, final, pids, same_end
+from tests.ft.runs import REPLACED_ONCE, Runs, figures, final, pids, same_end
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
@@ -54,6 +54,11 @@ def test_exact_replacement_redoes_its_round_and_run_equals_restart_mode(runs, st
     reference, _ = runs.wait(f"restart-{strategy}")
     assert final(live)["step"] == STEPS
     assert all(same_end(final(live, group), final(reference, 0, group)) for group in (0, 1))
+    # Each group's train_loss covers its own losses (the groups do not sum theirs between
+    # meetings): near the 2-process run's, not bitwise.
+    expected = figures(reference)["train_loss"]
+    for group in (0, 1):
+        assert figures(live, group)["train_loss"] == pytest.approx(expected, rel=0.05)
 
 
 def _val_loss(model_state: dict) -> float:

@@ -39,3 +39,33 @@ def test_a_resumed_epoch_reports_the_whole_epochs_train_loss(tmp_path, resumed_o
     else:  # one process's mean over 16 samples rounds otherwise than two over 8 each:
         # the training after the resume differs in the last bits, not the bookkeeping
         assert resumed[0][1] == pytest.approx(straight[0][1], rel=1e-6)
+
+
+def test_a_live_steps_losses_are_what_plain_adds_give():
+    """In a live step the losses are kept apart (``mark``) and the step's sum over the
+    groups is added at its end (``take_step``); one group's own sum added so gives bitwise
+    the sums of plain adds, a step that does not commit (``rewind``) adds nothing, and
+    ``step_sum`` counts the loss still to come."""
+    import torch
+
+    from shoal.training.epoch_loss import EpochLoss
+
+    generator = torch.Generator().manual_seed(SEED)
+    steps = [[torch.rand((), generator=generator) * 10 for _ in range(k)] for k in (1, 3, 2)]
+    plain, live = EpochLoss(torch.device("cpu")), EpochLoss(torch.device("cpu"))
+    for losses in steps:
+        for loss in losses:
+            plain.add(loss)
+        live.mark()  # a step that does not commit first
+        for loss in losses:
+            live.add(loss)
+        live.rewind()
+        live.mark()  # then done again
+        for loss in losses[:-1]:
+            live.add(loss)
+        total, batches = live.step_sum(coming=losses[-1])
+        live.add(losses[-1])
+        assert (total, batches) == live.step_sum()
+        live.take_step(total, batches)
+    assert plain.state() == live.state()
+    assert live.state()[1] == 6 and live.state()[0] > 0

@@ -182,8 +182,10 @@ class TopKAcrossGroups(TopKHook):
         def rows(every: torch.Tensor) -> torch.Tensor:
             self.traffic.done()
             if carried is not None:  # each slot's sum is exact (see LiveSession._numbers)
-                numbers = every[:, n:] if n % 4 == 0 else every[:, n:].contiguous()
-                torch.sum(numbers.view(carried.dtype), 0, out=carried)
+                numbers = every[:, n:]
+                if n % carried.element_size():
+                    numbers = numbers.contiguous()
+                carried.copy_(numbers.view(carried.dtype).sum(0))  # (to its device)
             self.last = every[:, :n], groups
             return every[:, :n]
 

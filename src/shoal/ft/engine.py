@@ -290,14 +290,14 @@ class Replica:
             # for this one in the next, which then fails at once instead of after its
             # deadline.
             self.drop()
-            return _done(after(failed))
+            return _done(failed).then(lambda done: after(done.value()))
         if not m.is_participating():
             tensor.zero_()
         try:
             started = launch(m._pg).get_future()
         except Exception as exc:  # noqa: BLE001 - the process group is already gone
             m.report_error(exc)
-            return _done(after(failed))
+            return _done(failed).then(lambda done: after(done.value()))
 
         def finished(future: torch.futures.Future) -> torch.Tensor:
             try:

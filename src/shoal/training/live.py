@@ -99,7 +99,8 @@ def begin_step(t: Trainer) -> StepOutcome:
         if comm.due or live.joins_meeting:
             t.harness.synchronize()
         outcome = live.after_meeting()
-    else:
+    else:  # the step's losses go with its average (a step done again drops them)
+        t.state.epoch_loss.mark()
         outcome = live.begin_step()
     if outcome is StepOutcome.GO:
         seed_step(t)

@@ -358,7 +358,6 @@ class Trainer:
                 window_samples = samples_between(loader, i, i + window)
                 step_loss, step_samples, step_tokens = 0, 0, 0
                 if self.live is not None:  # meet the other replica groups (may heal)
-                    state.epoch_loss.mark()  # what a step done again goes back to
                     outcome = begin_step(self)
                     if outcome is not StepOutcome.GO:
                         return outcome
