@@ -78,3 +78,17 @@ def test_a_replacement_loads_its_own_groups_private_state_and_redoes_the_log():
     assert [losses for _, losses in replacement.replay] == [(0.0, 2), (1.0, 2), (2.0, 2)]
     assert replacement.log == replacement.replay and replacement.log is not replacement.replay
     assert not replacement.hand_next
+
+
+def test_a_hand_over_becomes_the_round_only_if_its_step_commits():
+    rounds = Rounds()
+    _kept(rounds, 0)
+    rows = (torch.ones(2, 4, dtype=torch.uint8), torch.tensor([4, 4]))
+    rounds.log_step(torch.zeros(3), (0.0, 1))
+    rounds.pending, rounds.gathered = {"global_step": 7}, rows
+    rounds.end_hand_over(committed=False)
+    assert rounds.state is not None and rounds.state["global_step"] == 0
+    assert rounds.pending is None and rounds.gathered is None and len(rounds.log) == 1
+    rounds.pending, rounds.gathered = {"global_step": 7}, rows
+    rounds.end_hand_over(committed=True)
+    assert rounds.state == {"global_step": 7} and rounds.rows is rows and rounds.log == []

@@ -284,20 +284,24 @@ class Replica:
         zeros."""
         m = self._manager
         after = then if then is not None else _same
+
+        def skipped() -> torch.futures.Future[torch.Tensor]:  # (then: inside the future)
+            return _done(failed).then(lambda done: after(done.value()))
+
         if m.errored():
             # A step's collectives after its first failure are skipped, and the process
             # group closed: a group whose earlier collective of the step went through waits
             # for this one in the next, which then fails at once instead of after its
             # deadline.
             self.drop()
-            return _done(failed).then(lambda done: after(done.value()))
+            return skipped()
         if not m.is_participating():
             tensor.zero_()
         try:
             started = launch(m._pg).get_future()
         except Exception as exc:  # noqa: BLE001 - the process group is already gone
             m.report_error(exc)
-            return _done(failed).then(lambda done: after(done.value()))
+            return skipped()
 
         def finished(future: torch.futures.Future) -> torch.Tensor:
             try:

@@ -42,6 +42,7 @@ class Rounds:
         self.replay: list[Logged] = []
         """The logged steps a replacement redoes alone, first first."""
         self.pending: dict | None = None  # the state a hand-over keeps if its step commits
+        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # and every group's
         self.blob = b""  # this rank's private state, serialized, for that hand-over
         self.cost = 0.0  # the seconds a hand-over took this process (see ``due``)
         self.hand_next = False  # the last step committed, and its numbers said: hand over
@@ -61,6 +62,14 @@ class Rounds:
         self._at = time.monotonic()
         self._log_bytes = sum(state_bytes(mean) for mean, _ in log)
         self._state_bytes = state_bytes(state) + rows[0].numel()
+
+    def end_hand_over(self, committed: bool) -> None:
+        """After a step's vote: the hand-over that came with it becomes the round where the
+        step ``committed``, and is dropped otherwise."""
+        pending, gathered, self.pending, self.gathered = (self.pending, self.gathered,
+                                                          None, None)
+        if committed and pending is not None and gathered is not None:
+            self.keep(pending, gathered, [])
 
     def log_step(self, mean: torch.Tensor | tuple[torch.Tensor, int],
                  losses: tuple[float, int]) -> None:

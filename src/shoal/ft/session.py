@@ -97,7 +97,6 @@ class LiveSession:
         """'exact': this group's state at the last meeting (periodic) or hand-over (under
         powersgd, topk), and the steps since."""
         self._kept: dict | None = None  # this rank's private state as the step began
-        self._gathered: tuple | None = None  # every group's private state, in a hand-over
         try:
             self.replica = Replica(place, group_rank, group_size, self._send, self._receive)
         except RuntimeError as exc:  # torchft's: the lighthouse does not answer
@@ -343,10 +342,11 @@ class LiveSession:
     def _hand_over(self) -> None:
         """After a logged step's average: the hand-over of the compression state, when one
         is due; a vote against the step when a group did not bring it."""
-        rounds, self._gathered = self.rounds, None
+        rounds = self.rounds
+        rounds.gathered = None
         if rounds.handing:
             started = time.monotonic()
-            self._gathered = self._gather(rounds.blob, rounds.lengths)
+            rounds.gathered = self._gather(rounds.blob, rounds.lengths)
             rounds.cost += time.monotonic() - started
         if rounds.brought < self.place.groups:
             self.replica.abstain()
@@ -355,13 +355,9 @@ class LiveSession:
         """After a step's vote: keep its mean (``grads``; None: it did not commit), and the
         hand-over that came with it. Under topk in DDP's hook, the mean is kept as the
         groups' selections it was made of (about 2 x ratio x groups of its bytes)."""
-        rounds = self.rounds
-        pending, gathered, rounds.pending, self._gathered = (rounds.pending, self._gathered,
-                                                             None, None)
+        self.rounds.end_hand_over(committed=grads is not None)
         if grads is None:
             return
-        if pending is not None and gathered is not None:
-            rounds.keep(pending, gathered, [])
         last = None
         if isinstance(self._across, TopKAcrossGroups):  # (taken: each step's once)
             last, self._across.last = self._across.last, None
@@ -370,7 +366,7 @@ class LiveSession:
             mean = (last[0].cpu(), last[1])  # (a view of the gathered rows: no copy)
         else:
             mean = torch.cat([g.reshape(-1) for g in grads]).cpu()
-        rounds.log_step(mean, self.step_losses)
+        self.rounds.log_step(mean, self.step_losses)
 
     def finish(self) -> None:
         """After the last step: one more quorum. A commit vote is taken inside each group,

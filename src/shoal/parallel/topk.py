@@ -47,7 +47,7 @@ def sum_of_selections(rows: torch.Tensor, like: torch.Tensor, divisor: int) -> t
 def _read_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The bytes ``raw`` (1-d) as ``dtype``; copied first where they do not start at a
     multiple of its size (a row of 16-bit values whose count is odd)."""
-    if raw.storage_offset() % torch.empty((), dtype=dtype).element_size():
+    if raw.storage_offset() % dtype.itemsize:
         raw = raw.clone()
     return raw.view(dtype)
 

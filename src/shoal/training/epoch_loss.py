@@ -75,8 +75,8 @@ class EpochLoss:
         assert self._marked is not None  # after mark
         losses = self._step if coming is None else [*self._step, coming.detach()]
         # float32 and narrower: exact in float64 (one read from an accelerator for all)
-        values = [float(losses[0])] if len(losses) == 1 else (
-            torch.stack(losses).double().tolist() if losses else [])
+        values = (torch.stack(losses).double().tolist() if len(losses) > 1
+                  else [float(loss) for loss in losses])
         total = 0.0
         for value in values:
             total += value
