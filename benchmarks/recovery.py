@@ -55,6 +55,13 @@ MODES = ("restart", "live exact", "live available")
 CHECKPOINT_EVERY = 50  # today's restart: a checkpoint every 50 steps (about 0.4 s here)
 
 
+def _publish(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: the other group reads it while it runs."""
+    hidden = path.with_name(f".{path.name}")
+    hidden.write_text(text)
+    os.replace(hidden, path)
+
+
 def job(out: Path, steps: int, schedule: list[tuple[int, int]], checkpoints: bool,
         compression: str = "none") -> None:
     """The training job of part 1 (this file with --job): 2 data-parallel workers (2
@@ -79,7 +86,7 @@ def job(out: Path, steps: int, schedule: list[tuple[int, int]], checkpoints: boo
 
     def after_step(*_):
         if not first.exists():
-            first.write_text(repr(time.time()))
+            _publish(first, repr(time.time()))
         log.write(f"{time.time()!r} {trainer.global_step}\n")
 
     def back(i: int) -> bool:
@@ -96,7 +103,7 @@ def job(out: Path, steps: int, schedule: list[tuple[int, int]], checkpoints: boo
             return
         step, victim = schedule[i]
         if victim == slot and trainer.global_step >= step:
-            (out / f"kill_{i}").write_text(repr(time.time()))
+            _publish(out / f"kill_{i}", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
     trainer.optimizer.register_step_post_hook(after_step)
     model.register_forward_pre_hook(maybe_kill)

@@ -154,7 +154,9 @@ class Replica:
                                      else c.step_timeout_s),
             connect_timeout=step, rank=group_rank, world_size=group_size,
             lighthouse_addr=place.lighthouse, replica_id=f"shoal_group_{place.group}",
-            hostname=place.host, heartbeat_interval=timedelta(milliseconds=100), init_sync=True,
+            hostname=place.host, init_sync=True,
+            # Five beats a timeout: one late beat does not drop a group.
+            heartbeat_interval=timedelta(milliseconds=c.heartbeat_timeout_ms / 5),
             # The ManagerServer asks the lighthouse again (with backoff) when a request
             # fails: a lighthouse the launcher starts again is back within a second.
             quorum_retries=20)
