@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,38 @@ def test_a_rank_s_stdout_and_stderr_come_in_the_order_written(tmp_path):
     lines = [line for line in out.stdout.splitlines() if line.startswith("[rank0]: ")]
     assert lines == [f"[rank0]: line {i} to {stream}" for i in range(6)
                      for stream in ("stdout", "stderr")] + ["[rank0]: no line end at the last"]
+
+
+def test_the_relay_follows_a_new_attempt_and_shows_the_last_one_whole_first(tmp_path):
+    # Looks made by hand, one after another, as the relay's thread makes them every 20 ms:
+    # a file is read when it grew; a restart's new attempt is listed as soon as its folder
+    # is there, after the rest of the attempt before (its last line without its end too).
+    import io
+
+    from shoal.launch.output import OutputRelay
+
+    def attempt(n: int) -> Path:
+        folder = tmp_path / "run" / f"attempt_{n}" / "0"
+        folder.mkdir(parents=True)
+        return folder
+
+    def write(folder: Path, stream: str, text: str) -> None:
+        with open(folder / f"{stream}.log", "a") as f:
+            f.write(text)
+
+    out, err = io.StringIO(), io.StringIO()
+    relay = OutputRelay(str(tmp_path), lambda rank: {"stdout", "stderr"}, out=out, err=err)
+    relay._look()  # nothing yet
+    first = attempt(0)
+    write(first, "stdout", "one\n")
+    relay._look()
+    write(first, "stdout", "two\nthree without its end")
+    write(first, "stderr", "failed\n")
+    relay._look()
+    assert out.getvalue() == "[rank0]: one\n[rank0]: two\n"
+    assert err.getvalue() == "[rank0]: failed\n"
+    second = attempt(1)
+    write(second, "stdout", "again\n")
+    relay._look()
+    assert out.getvalue() == ("[rank0]: one\n[rank0]: two\n[rank0]: three without its end\n"
+                              "[rank0]: again\n")

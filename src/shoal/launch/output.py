@@ -5,7 +5,10 @@ them). torch's elastic agent would show them by following each file in a thread 
 own, so that a rank's stderr line could be shown ahead of a stdout line it wrote before.
 ``OutputRelay`` follows both files of every rank in one thread, every 20 ms; when both of a
 rank's files grew since the last look, the one last written earlier is shown first (exact
-when each got one line, as when a rank prints and then fails). Each line gets its rank's
+when each got one line, as when a rank prints and then fails). A look costs a ``stat`` of
+each file and one of the next attempt's folder; the folders are listed again only when a
+restart made that folder, or half a second on: the agent of each replica group runs one,
+beside busy workers. Each line gets its rank's
 prefix (``[rank3]: ``, or torchrun's ``--log-line-prefix-template``) and goes to the
 launcher's stream of the same name; a line still without its end is held until it ends or
 the workers do.
@@ -19,12 +22,14 @@ import socket
 import string
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TextIO
 
 from shoal.launch.frames import PID_FILE
 
 _INTERVAL_S = 0.02
+_SCAN_S = 0.5  # the folders are listed again this often
 _STREAMS = ("stdout", "stderr")
 
 
@@ -37,6 +42,8 @@ class _File:
     def read(self) -> tuple[bytes, int]:
         """New whole lines, and the time the file was last written (ns)."""
         try:
+            if os.stat(self.path).st_size == self.offset:
+                return b"", 0
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
@@ -74,6 +81,7 @@ class OutputRelay(threading.Thread):
         self._attempt: str | None = None
         self._files: dict[tuple[int, str], _File] = {}
         self._ranks: dict[int, int] = {}  # local rank -> global, once its worker has said
+        self._scanned = -float("inf")  # when the folders were last listed (monotonic)
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -87,6 +95,22 @@ class OutputRelay(threading.Thread):
         self._look(final=True)
 
     def _look(self, final: bool = False) -> None:
+        # Listed at each look until the ranks' folders are there, and as soon as a restart
+        # makes the next attempt's (a rank's folder made after a listing, or an attempt
+        # that skips a number, is found half a second on).
+        if (final or not self._files or os.path.isdir(self._next_attempt())
+                or time.monotonic() - self._scanned >= _SCAN_S):
+            self._scanned = time.monotonic()
+            self._scan()
+        self._relay(last=final)
+
+    def _next_attempt(self) -> str:
+        """The folder a restart makes next (torch's agent numbers attempts from 0)."""
+        stem, _, number = (self._attempt or "").rpartition("_")
+        return f"{stem}_{int(number) + 1}" if stem else ""
+
+    def _scan(self) -> None:
+        """The newest attempt's files (the attempt before, all of it first)."""
         attempts = glob.glob(os.path.join(self.log_dir, "*", "attempt_*"))
         newest = max(attempts, key=lambda p: int(p.rsplit("_", 1)[1]), default=None)
         if newest != self._attempt:
@@ -102,7 +126,6 @@ class OutputRelay(threading.Thread):
                 key = (int(name), stream)
                 if key not in self._files:
                     self._files[key] = _File(os.path.join(folder, f"{stream}.log"))
-        self._relay(last=final)
 
     def _rank(self, local_rank: int) -> int:
         """The global rank, read once from the file the worker leaves (until then, or for a
