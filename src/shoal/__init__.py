@@ -37,7 +37,7 @@ _LAZY = {
     "spawn": "shoal.launch.spawn",
     "TrainerConfig": "shoal.training.config",
     "Harness": "shoal.training.harness",
-    "seed_everything": "shoal.training.harness",
+    "seed_everything": "shoal.runtime.seeds",
     "Trainer": "shoal.training.trainer",
 }
 
@@ -70,6 +70,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     )
     from shoal.runtime.heartbeat import heartbeat
     from shoal.runtime.info import info
+    from shoal.runtime.seeds import seed_everything
     from shoal.training.config import TrainerConfig
-    from shoal.training.harness import Harness, seed_everything
+    from shoal.training.harness import Harness
     from shoal.training.trainer import Trainer

@@ -68,6 +68,8 @@ parser.add_argument("--quorum-every", type=float, default=None,
 parser.add_argument("--share", type=float, default=None,
                     help="the Trainer's fault_tolerance.compression_state_share")
 parser.add_argument("--backend", default="gloo", help="inside each group (nccl: on the GPU)")
+parser.add_argument("--augment", action="store_true",
+                    help="noise on each training sample, drawn as it is read (main process)")
 parser.add_argument("--no-commit", default=None,
                     help="G:S: group G's vote on step S says no, once (the others commit)")
 args = parser.parse_args()
@@ -150,8 +152,26 @@ if args.no_commit:
                 replica.abstain()
             return vote(replica)
         Replica.commit = commit_but_once
+
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each sample with noise from torch's generator, drawn as the sample is read: what a
+    random transform in a dataset does."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        x, y = self.data[index]
+        return x + 0.1 * torch.randn_like(x), y
+
+
 (out / f"ready.g{group}.a{attempt}.r{rank}").write_text("")
-result = trainer.fit(build_data()[0])
+result = trainer.fit(Augmented(build_data()[0]) if args.augment else build_data()[0])
 (out / f"figures.g{group}.r{rank}.json").write_text(json.dumps(
     {"quorums": trainer.live.quorums if trainer.live else None,
      "train_loss": result.get("train_loss"),  # none when it healed at the last step

@@ -190,3 +190,17 @@ def test_exact_without_a_replacement_falls_back_to_restart(tmp_path, ddp_run):
     assert "replica group 1 did not come back (exit code" in output
     assert "shoal: preempted by SIGTERM at step 6: checkpoint saved" in output
     assert _equals_ddp(live, ddp_run())
+
+
+def test_exact_with_random_augmentation_equals_the_run_without_failures(tmp_path):
+    """Samples that draw random numbers as they are read (a random transform): a group
+    SIGKILLed mid-step heals, and both end bitwise equal to the same run without kills."""
+    calm = _shoal_run(tmp_path / "calm", "--replica-groups", "2", job=("--augment",))
+    killed = _shoal_run(tmp_path / "killed", "--replica-groups", "2", "--max-restarts", "1",
+                        job=("--augment", "--kill", "1:6"))
+    output = _finish(killed)
+    _finish(calm)
+    assert "replica group 1: healed from a live group at step 6" in output
+    for group in (0, 1):
+        assert states_equal(final(tmp_path / "killed", group)["model"],
+                            final(tmp_path / "calm", group)["model"]), group

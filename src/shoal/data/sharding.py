@@ -21,6 +21,7 @@ from torch.utils.data import (
 )
 
 from shoal.data.sampler import ElasticSampler
+from shoal.data.seeded import SeededSamples, draws_random_numbers
 from shoal.errors import UsageError
 
 
@@ -83,6 +84,14 @@ def shard_dataloader(data: Dataset | DataLoader, *, world_size: int, rank: int,
         sampler = ElasticSampler(len(cast(Sized, dataset)), world_size, rank, batch_size, seed=seed,
                                  shuffle=shuffle,
                                  drop_last=drop_last or (loader is not None and loader.drop_last))
+    if not evaluation and draws_random_numbers(dataset):
+        if loader is not None and loader.persistent_workers:
+            warnings.warn("the dataset draws random numbers as it reads a sample, and "
+                          "persistent workers keep the first epoch's copy of it: its samples "
+                          "are not seeded (a resume or a live recovery then reads them with "
+                          "other random numbers)", stacklevel=3)
+        else:
+            dataset = SeededSamples(dataset, seed)
     # The loader's own generator: making an iterator draws a seed from it, and drawing from
     # the global RNG instead would shift dropout after a resume (see set_epoch).
     kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": num_workers,
@@ -107,6 +116,8 @@ def set_epoch(loader: DataLoader, epoch: int, position: int = 0) -> bool:
     epoch from its beginning).
     """
     sampler = loader.sampler
+    if isinstance(loader.dataset, SeededSamples):
+        loader.dataset.epoch = epoch
     if isinstance(sampler, ElasticSampler):
         sampler.set_epoch(epoch, position)
         if loader.generator is not None:

@@ -29,7 +29,8 @@ from shoal.rl.evaluate import evaluate
 from shoal.rl.policy import ActorCritic
 from shoal.rl.rollout import Batch, Episodes, collect
 from shoal.runtime.heartbeat import heartbeat
-from shoal.training.harness import Harness, seed_everything
+from shoal.runtime.seeds import seed_everything
+from shoal.training.harness import Harness
 from shoal.training.preemption import PreemptionWatch, exit_code
 from shoal.training.state import load_model_and_optimizer_state, model_and_optimizer_state
 

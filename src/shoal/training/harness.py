@@ -15,11 +15,9 @@
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Iterator
 from typing import Any, cast, overload
 
-import numpy as np
 import torch
 from pydantic import ValidationError
 from torch import nn
@@ -63,24 +61,6 @@ from shoal.parallel.zero import ZeroTraffic, apply_zero1
 from shoal.runtime import dist as rt
 from shoal.training.batches import leaves, move_to_device
 from shoal.training.precision import Precision
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch RNGs of this process.
-
-    Raises:
-        ValueError: If ``seed`` is below ``-2**63`` or above ``2**64 - 1`` (torch's range).
-    """
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    if torch.accelerator.is_available() and not torch.cuda.is_initialized():
-        torch.manual_seed(seed)  # also queued for an accelerator not yet in use
-        return
-    # The same seeds without torch.manual_seed's queued CUDA call, which records a
-    # traceback each time (about 0.1 to 1 ms: a live job reseeds every step).
-    torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_initialized():
-        torch.cuda.manual_seed_all(seed)
 
 
 def _on_cpu(data: Dataset | DataLoader) -> bool:

@@ -32,8 +32,8 @@ from shoal.ft.across import AcrossGroups, in_hook
 from shoal.ft.periodic import PeriodicSession
 from shoal.ft.session import LiveSession
 from shoal.ft.step import StepOutcome
+from shoal.runtime.seeds import seed_everything
 from shoal.training.batches import loss_of
-from shoal.training.harness import seed_everything
 from shoal.training.state import gradients
 
 Trainer = Any  # a shoal.Trainer (not imported: its module imports this one)

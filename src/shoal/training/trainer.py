@@ -33,6 +33,7 @@ from shoal.remote.module import remote_modules
 # layers: up to remote/, as above: the layouts that would split a RemoteModule are remote's rule
 from shoal.remote.tier import splits_parameters
 from shoal.runtime.heartbeat import heartbeat
+from shoal.runtime.seeds import seed_everything
 from shoal.training.batches import (
     LossFn,
     StepFn,
@@ -45,7 +46,7 @@ from shoal.training.batches import (
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
 from shoal.training.evaluation import validate
-from shoal.training.harness import Harness, seed_everything
+from shoal.training.harness import Harness
 from shoal.training.live import (
     before_backward,
     begin_step,

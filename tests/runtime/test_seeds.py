@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from shoal.training.harness import seed_everything
+from shoal.runtime.seeds import seed_everything
 
 
 def _draws() -> tuple:
