@@ -72,3 +72,14 @@ def test_a_dataset_that_does_not_draw_is_read_as_it_is():
     loader = shard_dataloader(TensorDataset(torch.arange(8.0)), world_size=1, rank=0,
                               batch_size=4, shuffle=False, seed=0)
     assert isinstance(loader.dataset, TensorDataset)
+
+
+def test_persistent_workers_are_told_and_read_as_they_are():
+    # They keep the first epoch's copy of the dataset: its samples cannot be seeded per
+    # epoch, and the user is told why a resume may read other random numbers.
+    given = torch.utils.data.DataLoader(Augmented(), batch_size=4, shuffle=True,
+                                        num_workers=1, persistent_workers=True)
+    with pytest.warns(UserWarning, match="persistent workers keep the first epoch's copy"):
+        loader = shard_dataloader(given, world_size=2, rank=0, batch_size=4, shuffle=True,
+                                  seed=0)
+    assert isinstance(loader.dataset, Augmented)
