@@ -14,23 +14,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 
-from shoal.runtime.seeds import rng_states, same_rng_states, seed_cpu, set_rng_states
+from shoal.checkpoint import rng
+from shoal.runtime.seeds import seed_cpu
 
 
 def draws_random_numbers(dataset: Any) -> bool:
     """Whether reading ``dataset[0]`` draws from Python's, numpy's or torch's generator
     (their states are put back after)."""
-    before = rng_states()
+    before = rng.capture()
     try:
         dataset[0]
     except Exception:  # noqa: BLE001 - an empty or odd dataset: read as it is
         return False
     finally:
-        after = rng_states()
-        set_rng_states(before)
-    return not same_rng_states(before, after)
+        after = rng.capture()
+        rng.restore(before)
+    return any(not torch.equal(before[key], after[key]) for key in before)
 
 
 class SeededSamples(Dataset):
