@@ -197,18 +197,21 @@ def _rate(out: Path) -> float:
     return len({step for _, step, _, _ in rows}) / (rows[-1][0] - rows[0][0])
 
 
-def _calm(mode: str, steps: int, compression: str, pairs: int) -> tuple[float, float]:
-    """(the mode's step rate without kills, that rate against 2-process DDP's): medians of
-    ``pairs`` runs of each, alternated (this machine's speed drifts between runs)."""
+def _calm(mode: str, steps: int, compression: str, pairs: int
+          ) -> tuple[float, list[float]]:
+    """(the mode's step rate without kills, the median of ``pairs`` runs; each run's rate
+    against 2-process DDP's in the run beside it). The pairs alternate which runs first
+    (this machine's speed drifts between runs, and a run just after another starts on a
+    busier machine)."""
     rates, ratios = [], []
-    for _ in range(pairs):
-        ddp = _run_job("baseline", steps, [], compression)
-        quiet = _run_job(mode, steps, [], compression)
-        rates.append(_rate(quiet))
-        ratios.append(rates[-1] / _rate(ddp))
-        shutil.rmtree(ddp, ignore_errors=True)
-        shutil.rmtree(quiet, ignore_errors=True)
-    return statistics.median(rates), statistics.median(ratios)
+    for pair in range(pairs):
+        order = ("baseline", mode) if pair % 2 == 0 else (mode, "baseline")
+        runs = {kind: _run_job(kind, steps, [], compression) for kind in order}
+        rates.append(_rate(runs[mode]))
+        ratios.append(rates[-1] / _rate(runs["baseline"]))
+        for out in runs.values():
+            shutil.rmtree(out, ignore_errors=True)
+    return statistics.median(rates), ratios
 
 
 def measure_recovery(steps: int, kills: int, seed: int, compression: str = "none",
@@ -218,7 +221,8 @@ def measure_recovery(steps: int, kills: int, seed: int, compression: str = "none
     rng = random.Random(seed)
     at = sorted(rng.sample(range(20, steps - 20), kills))
     schedule = [(step, rng.randrange(2)) for step in at]
-    baseline = _run_job("baseline", steps, [], compression)
+    # The reference the kills' runs are compared with (--kills 0: none).
+    baseline = _run_job("baseline", steps, [], compression) if schedule else None
     results, calm, vs_ddp = [], {}, {}
     for mode in MODES:
         # Without kills both live policies do the same (one calm run serves both), but under
@@ -227,19 +231,23 @@ def measure_recovery(steps: int, kills: int, seed: int, compression: str = "none
         kind = "live" if shared else mode
         if kind not in calm:
             calm[kind], vs_ddp[kind] = _calm(mode, steps, compression, pairs)
+        # The mode's cost without failures: the median pair, and every pair's.
+        costs = {"rate_vs_ddp": statistics.median(vs_ddp[kind]), "pairs_vs_ddp": vs_ddp[kind]}
         if not schedule:  # --kills 0: each mode's cost without failures, nothing else
-            results.append({"mode": mode, "rate_vs_ddp": vs_ddp[kind]})
+            results.append({"mode": mode, **costs})
             continue
+        assert baseline is not None  # (made when there are kills)
         out = _run_job(mode, steps, schedule, compression)
         figures = _figures(mode, out, schedule, baseline, calm[kind])
-        figures["rate_vs_ddp"] = vs_ddp[kind]  # the mode's cost without failures
+        figures.update(costs)
         results.append(figures)
         if mode != "restart" and figures["survivor_restarts"]:
             print(f"  {mode}: a worker that was not killed was restarted; the run's steps "
                   f"and output are kept in {out}", file=sys.stderr)
         else:
             shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(baseline, ignore_errors=True)
+    if baseline is not None:
+        shutil.rmtree(baseline, ignore_errors=True)
     return results
 
 
@@ -304,8 +312,10 @@ def _print_recovery(results: list[dict], steps: int, kills: int, compression: st
           f"(compression {compression}), {kills} SIGKILLs of a random worker at random "
           "steps, the same kills each way")
     for r in results:
+        pairs = sorted(r["pairs_vs_ddp"])
         print(f"  {r['mode']}: without kills, {r['rate_vs_ddp']:.2f} x the step rate of "
-              "2-process DDP")
+              f"2-process DDP (median of {len(pairs)} pairs; "
+              f"{', '.join(f'{x:.2f}' for x in pairs)})")
     if not kills:
         return
     print(f"  {'mode':<16}{'pause (s)':>10}{'rejoin (s)':>11}{'lost':>6}{'restarts':>9}"

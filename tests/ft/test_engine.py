@@ -31,10 +31,15 @@ class _Work:
 
 
 class _ProcessGroup:
-    """Sums by doubling (two groups holding the same tensor), or fails as told."""
+    """Sums by doubling (two groups holding the same tensor), or fails as told. Plays
+    torchft's wrapper (``parent``, ``abort``) and the process group it wraps."""
 
     def __init__(self, fails: Exception | None = None, gone: bool = False):
         self.fails, self.gone, self.aborted, self.launched = fails, gone, False, 0
+
+    @property
+    def parent(self) -> _ProcessGroup:
+        return self
 
     def allreduce(self, tensors, options):
         self.launched += 1
@@ -74,6 +79,7 @@ class _Manager:
 def _replica(pg: _ProcessGroup, errored: Exception | None = None) -> Replica:
     replica = Replica.__new__(Replica)  # its manager only: no lighthouse, no torchft server
     replica._manager = _Manager(pg, errored)
+    replica._sum_options = None
     return replica
 
 

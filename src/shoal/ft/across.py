@@ -117,11 +117,13 @@ class AcrossGroups:
 
         def done(summed: torch.Tensor) -> torch.Tensor:
             self.traffic.done()
-            if sent is not buffer:
-                buffer.copy_(summed[:buffer.numel()])
             if carried is not None:
                 carried.copy_(summed[buffer.numel():])
-            return buffer
+            if sent is buffer:
+                return buffer
+            if self.wire is None:  # DDP copies the bucket's gradients out of the sum itself
+                return summed[:buffer.numel()]
+            return buffer.copy_(summed[:buffer.numel()])
 
         return self.replica.start_sum(sent, then=done)
 
