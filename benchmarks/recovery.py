@@ -16,6 +16,9 @@
    steps and the job's output), and its folder named.
    `--json FILE` writes them, one object per mode. `--kills 0` measures only each mode's
    step rate without kills against DDP's (the cost of live recovery while nothing fails).
+   `--config RUN.yaml` measures that cost on a `shoal train` config instead (40 steps a
+   run unless --steps; its steps past the fifth), with each run's val_loss beside DDP's:
+   under `exact` two groups of one process end with 2-process DDP's model.
 2. Save: a model + AdamW state of --state-mb megabytes (>= 500), saved by one process:
    synchronous save time, asynchronous save's blocking time (target <= 10 % of the
    synchronous time; after a first save that allocates the reused copy buffers) and total
@@ -29,6 +32,8 @@
     python benchmarks/recovery.py [--steps 14000] [--kills 6] [--seed 0] [--json FILE]
                                   [--compression none] [--no-save] [--state-mb 540]
                                   [--repeats 3] [--pairs 3]
+    python benchmarks/recovery.py --config examples/gpt.yaml [--steps 40] [--pairs 3]
+                                  [--compression none] [--json FILE]
 """
 
 # ruff: noqa: E402
@@ -46,7 +51,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -197,21 +204,73 @@ def _rate(out: Path) -> float:
     return len({step for _, step, _, _ in rows}) / (rows[-1][0] - rows[0][0])
 
 
+def _alternated(mode: str, pairs: int, run: Callable[[str], Path],
+                read: Callable[[Path], Any]) -> list[tuple[Any, Any]]:
+    """``pairs`` runs of ``mode`` and of 2-process DDP ("baseline") without kills, each
+    read by ``read``: (the mode's, DDP's) a pair. The pairs alternate which runs first
+    (this machine's speed drifts between runs, and a run just after another starts on a
+    busier machine)."""
+    readings = []
+    for pair in range(pairs):
+        order = ("baseline", mode) if pair % 2 == 0 else (mode, "baseline")
+        runs = {kind: run(kind) for kind in order}
+        readings.append((read(runs[mode]), read(runs["baseline"])))
+        for out in runs.values():
+            shutil.rmtree(out, ignore_errors=True)
+    return readings
+
+
 def _calm(mode: str, steps: int, compression: str, pairs: int
           ) -> tuple[float, list[float]]:
     """(the mode's step rate without kills, the median of ``pairs`` runs; each run's rate
-    against 2-process DDP's in the run beside it). The pairs alternate which runs first
-    (this machine's speed drifts between runs, and a run just after another starts on a
-    busier machine)."""
-    rates, ratios = [], []
-    for pair in range(pairs):
-        order = ("baseline", mode) if pair % 2 == 0 else (mode, "baseline")
-        runs = {kind: _run_job(kind, steps, [], compression) for kind in order}
-        rates.append(_rate(runs[mode]))
-        ratios.append(rates[-1] / _rate(runs["baseline"]))
-        for out in runs.values():
-            shutil.rmtree(out, ignore_errors=True)
-    return statistics.median(rates), ratios
+    against 2-process DDP's in the run beside it)."""
+    readings = _alternated(mode, pairs, lambda kind: _run_job(kind, steps, [], compression),
+                           _rate)
+    return (statistics.median(rate for rate, _ in readings),
+            [rate / ddp for rate, ddp in readings])
+
+
+def _train(config: str, steps: int, mode: str, compression: str) -> Path:
+    """One run of ``shoal train --config config`` for ``steps`` steps, as 2-process DDP
+    ("baseline") or as 2 live groups of one process; its folder."""
+    out = Path(tempfile.mkdtemp(prefix="shoal-recovery-"))
+    flags = {"baseline": ["--nproc-per-node", "2"],
+             "live exact": ["--nproc-per-node", "1", "--replica-groups", "2",
+                            "--ft-policy", "exact"],
+             "live available": ["--nproc-per-node", "1", "--replica-groups", "2",
+                                "--ft-policy", "available"]}[mode]
+    cmd = [sys.executable, "-m", "shoal", "train", "--config", config, *flags,
+           f"trainer.max_steps={steps}", f"run.dir={out / 'run'}",
+           f"trainer.compression.name={compression}"]
+    with open(out / "output.txt", "wb") as output:
+        subprocess.run(cmd, check=True, stdout=output, stderr=subprocess.STDOUT)
+    return out
+
+
+def _train_figures(out: Path) -> tuple[float, float | None]:
+    """A ``_train`` run's steps per second, by its mean step past the first 5 (those hold
+    the start's quorum and the copy of group 0's weights), and its last val_loss."""
+    lines = (out / "run" / "metrics.jsonl").read_text().split("\n")
+    rows = [json.loads(line) for line in lines if line]
+    steps = [r["step_time_s"] for r in rows if r.get("type") == "step" and r["step"] > 5]
+    losses = [r["val_loss"] for r in rows if r.get("type") == "validation"]
+    return 1 / statistics.mean(steps), losses[-1] if losses else None
+
+
+def measure_config(config: str, steps: int, compression: str, pairs: int) -> list[dict]:
+    """The cost of live recovery without failures on a `shoal train` config: each live
+    policy's step rate against 2-process DDP's, and whether its val_loss is DDP's."""
+    results = []
+    for mode in MODES[1:]:
+        readings = _alternated(mode, pairs,
+                               lambda kind: _train(config, steps, kind, compression),
+                               _train_figures)
+        ratios = [rate / ddp for (rate, _), (ddp, _) in readings]
+        results.append({"mode": mode, "rate_vs_ddp": statistics.median(ratios),
+                        "pairs_vs_ddp": ratios,
+                        "val_loss": [loss for (_, loss), _ in readings],
+                        "ddp_val_loss": [loss for _, (_, loss) in readings]})
+    return results
 
 
 def measure_recovery(steps: int, kills: int, seed: int, compression: str = "none",
@@ -307,16 +366,25 @@ def measure_save(megabytes: int, repeats: int) -> dict:
             **{k: statistics.median(v) for k, v in results.items()}}
 
 
-def _print_recovery(results: list[dict], steps: int, kills: int, compression: str) -> None:
-    print(f"recovery: a {steps}-step digits job on 2 data-parallel workers "
-          f"(compression {compression}), {kills} SIGKILLs of a random worker at random "
-          "steps, the same kills each way")
+def _print_recovery(results: list[dict], steps: int, kills: int, compression: str,
+                    config: str | None = None) -> None:
+    if config:
+        print(f"the cost without failures of `shoal train --config {config}`, {steps} steps "
+              f"(compression {compression}): 2 live groups of 1 process against 2-process "
+              "DDP, by the mean step past the first 5")
+    else:
+        print(f"recovery: a {steps}-step digits job on 2 data-parallel workers "
+              f"(compression {compression}), {kills} SIGKILLs of a random worker at random "
+              "steps, the same kills each way")
     for r in results:
         pairs = sorted(r["pairs_vs_ddp"])
         print(f"  {r['mode']}: without kills, {r['rate_vs_ddp']:.2f} x the step rate of "
               f"2-process DDP (median of {len(pairs)} pairs; "
               f"{', '.join(f'{x:.2f}' for x in pairs)})")
-    if not kills:
+        if "val_loss" in r:
+            print(f"    val_loss {', '.join(map(repr, r['val_loss']))}; DDP's "
+                  f"{', '.join(map(repr, r['ddp_val_loss']))}")
+    if not kills or config:
         return
     print(f"  {'mode':<16}{'pause (s)':>10}{'rejoin (s)':>11}{'lost':>6}{'restarts':>9}"
           f"{'equal':>7}{'goodput':>9}{'healed':>10}{'heal (s)':>9}{'kills':>6}{'run (s)':>8}")
@@ -351,6 +419,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=3,
                         help="alternated runs of DDP and of each mode without kills")
+    parser.add_argument("--config", metavar="RUN.yaml",
+                        help="instead of parts 1 and 2: each live policy's step rate without kills "
+                        "on this `shoal train` config (--steps of it, default 40), against "
+                        "2-process DDP's, --pairs alternated pairs; and each run's val_loss")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="[]", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoints", action="store_true", help=argparse.SUPPRESS)
@@ -358,12 +430,17 @@ def main() -> None:
     if args.job:
         return job(Path(args.job), args.steps, [tuple(k) for k in json.loads(args.schedule)],
                    args.checkpoints, args.compression)
-    results = measure_recovery(args.steps, args.kills, args.seed, args.compression,
-                               args.pairs)
-    _print_recovery(results, args.steps, args.kills, args.compression)
+    if args.config:
+        steps = args.steps if args.steps != parser.get_default("steps") else 40
+        results = measure_config(args.config, steps, args.compression, args.pairs)
+        _print_recovery(results, steps, 0, args.compression, args.config)
+    else:
+        results = measure_recovery(args.steps, args.kills, args.seed, args.compression,
+                                   args.pairs)
+        _print_recovery(results, args.steps, args.kills, args.compression)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    if args.no_save:
+    if args.no_save or args.config:
         return None
     save = measure_save(args.state_mb, args.repeats)
     mb = save["bytes"] / 2**20
