@@ -166,7 +166,7 @@ class Replica:
 
         self._sum_options = AllreduceOptions()  # (read, never changed, by each sum)
         self._sum_options.reduceOp = ReduceOp(ReduceOp.SUM)
-        self._accelerator = _accelerator()
+        self._on_accelerator = _accelerator()  # (then each vote synchronizes it)
 
     def _loaded(self, state: dict) -> None:
         self._load(state)
@@ -340,7 +340,7 @@ class Replica:
         if m._recovery_event is not None:
             m._recovery_event.synchronize()
             m._recovery_event = None
-        if self._accelerator:
+        if self._on_accelerator:
             import torch
 
             torch.accelerator.synchronize()
