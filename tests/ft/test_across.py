@@ -37,10 +37,10 @@ def test_the_numbers_come_back_summed_after_any_selection(dtype):
     other = torch.cat([payloads[1], numbers[1].view(torch.uint8)])
     topk = TopKAcrossGroups(nn.Linear(2, 2), 0.5, Traffic())
     topk.replica = _TwoGroups(other)  # type: ignore[assignment]
-    carried = numbers[0].clone()
-    assert topk.carry(carried)
+    carried = topk.carry(numbers[0].tolist())
+    assert carried is not None
     rows, groups = topk._gather(payloads[0])
     assert groups == 2
     assert torch.equal(rows.wait(), torch.stack(payloads))
-    assert torch.equal(carried, numbers[0] + numbers[1])
+    assert carried.sums() == (numbers[0] + numbers[1]).tolist()
     assert topk.last is not None and torch.equal(topk.last[0], torch.stack(payloads))

@@ -60,6 +60,21 @@ def in_hook(comm: object) -> bool:
     return isinstance(comm, (AcrossGroups, TopKAcrossGroups))
 
 
+class Carried:
+    """A step's numbers (float32) on their way across the groups with its gradients
+    (``carry``): one row of their sum, or every group's row (a gather); ``sums`` reads
+    them once backward is done. Each slot's sum is exact (see ``LiveSession._numbers``), so
+    it is the same in any order and precision."""
+
+    def __init__(self, numbers: list[float]):
+        self.rows = torch.tensor(numbers, dtype=torch.float32).view(1, -1)
+        """(rows, numbers): what came back (until then, this group's own numbers)."""
+
+    def sums(self) -> list[float]:
+        rows = self.rows.tolist()
+        return rows[0] if len(rows) == 1 else [sum(column) for column in zip(*rows, strict=True)]
+
+
 class AcrossGroups:
     """State and hook: ``model.register_comm_hook(state, AcrossGroups.hook)``. The live
     session gives it ``replica`` when it opens; before (no session: nothing to cross),
@@ -77,17 +92,18 @@ class AcrossGroups:
         """A replacement whose source had settled: settle before the first step."""
         self.muted = False  # the settling backward: buckets stay as they are
 
-    def carry(self, numbers: torch.Tensor) -> bool:
-        """Have ``numbers`` (float32) summed over the groups with the first bucket of the
-        coming backward, where the gradients go in float32: one collective a step, as DDP
-        makes. With 2 groups the gradients' sums stay DDP's (a sum of two is the same in any
+    def carry(self, numbers: list[float]) -> Carried | None:
+        """Have ``numbers`` summed over the groups with the first bucket of the coming
+        backward, where the gradients go in float32: one collective a step, as DDP makes.
+        With 2 groups the gradients' sums stay DDP's (a sum of two is the same in any
         order); with 3 and more the longer bucket moves the borders of gloo's chunks, and
-        with them the order in which some gradients are summed. False (fp16, bf16):
+        with them the order in which some gradients are summed. None (fp16, bf16):
         ``numbers`` need a collective of their own."""
         if self.replica is None or self.wire is not None or not self.fp32:
-            return False
-        self._carried = numbers
-        return True
+            return None
+        carried = Carried(numbers)
+        self._carried = carried.rows[0]  # summed in place
+        return carried
 
     @staticmethod
     def hook(state, bucket):  # no annotations: DDP checks them literally
@@ -145,28 +161,29 @@ class TopKAcrossGroups(TopKHook):
         super().__init__(model, ratio, traffic)
         self.replica: Replica | None = None
         self.muted = False
-        self._carried: torch.Tensor | None = None
+        self._carried: Carried | None = None
         self.last: tuple[torch.Tensor, int] | None = None
         """The last step's selections of every group, as gathered, and the groups that
         took part: what its mean is made of (``sum_of_selections``), far smaller than the
         mean (None: the step crossed no group)."""
 
-    def carry(self, numbers: torch.Tensor) -> bool:
-        """Have ``numbers`` (float32) summed over the groups with the coming backward's
-        gather: at the end of each group's message, summed once gathered (each is a sum
-        of exact parts: the same as an all-reduce's)."""
+    def carry(self, numbers: list[float]) -> Carried | None:
+        """Have ``numbers`` go to every group with the coming backward's gather, at the end
+        of each group's message (``Carried.sums`` adds them up: each is a sum of exact
+        parts, the same as an all-reduce's)."""
         if self.replica is None:
-            return False
-        self._carried = numbers
-        return True
+            return None
+        self._carried = Carried(numbers)
+        return self._carried
 
-    def blank(self, numbers: torch.Tensor, dtype: torch.dtype) -> None:
+    def blank(self, numbers: list[float], dtype: torch.dtype) -> Carried:
         """A step's gather for a group that brings nothing to it: zeros in place of a
-        selection of ``dtype`` values, with ``numbers`` (summed in place)."""
+        selection of ``dtype`` values, with ``numbers``."""
         assert self.replica is not None  # a live session's
         payload = torch.zeros(self.payload_bytes(dtype), dtype=torch.uint8)
-        self._carried = numbers
+        carried = self._carried = Carried(numbers)
         self._gather(payload)[0].wait()
+        return carried
 
     def _gather(self, payload: torch.Tensor
                 ) -> tuple[torch.futures.Future[torch.Tensor], int]:
@@ -177,17 +194,17 @@ class TopKAcrossGroups(TopKHook):
         groups = self.replica.participants
         n = payload.numel()
         sent = payload if carried is None else torch.cat(
-            [payload, carried.to(payload.device).view(torch.uint8)])
+            [payload, carried.rows.to(payload.device).view(torch.uint8).view(-1)])
         self.traffic.sent(all_gather_bytes(sent.numel(), groups))
         self.traffic.launched()
 
         def rows(every: torch.Tensor) -> torch.Tensor:
             self.traffic.done()
-            if carried is not None:  # each slot's sum is exact (see LiveSession._numbers)
+            if carried is not None:  # summed by the step (Carried.sums), after backward
                 numbers = every[:, n:]
-                if n % carried.element_size():
+                if n % 4:  # (float32 from a multiple of its size)
                     numbers = numbers.contiguous()
-                carried.copy_(numbers.view(carried.dtype).sum(0))  # (to its device)
+                carried.rows = numbers.view(torch.float32)
             self.last = every[:, :n], groups
             return every[:, :n]
 

@@ -72,13 +72,13 @@ class FaultToleranceConfig(BaseModel):
     each keeps the averaged gradients of the steps since. A replacement starts again from
     there and redoes those steps alone while the others wait. Larger: fewer hand-overs, one
     more gradient kept per step (in host memory), a longer redo."""
-    compression_state_share: float = Field(0.02, gt=0, le=1)
+    compression_state_share: float = Field(0.01, gt=0, le=1)
     """Policy 'exact' with compression powersgd or topk: the most of the run's time that
     hand-overs may take. A hand-over comes after at least ``compression_state_every``
-    steps, and no sooner than the last one's time divided by this share after it (0.02:
-    fifty times as long as a hand-over takes), so that steps much shorter than a hand-over
-    do not pay for one every few steps; the redo grows to match. 1: every
-    ``compression_state_every`` steps."""
+    steps, and no sooner than the last one's time divided by this share after it (0.01:
+    a hundred times as long as a hand-over takes), so that steps much shorter than a
+    hand-over do not pay for one every few steps; the redo grows to match (paid only when
+    a group is replaced). 1: every ``compression_state_every`` steps."""
 
     @model_validator(mode="after")
     def _ordered_timeouts(self) -> FaultToleranceConfig:

@@ -11,7 +11,6 @@ state at the last meeting and redoes the steps since, while the others wait at t
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 
@@ -20,7 +19,7 @@ import torch
 from shoal.ft.config import ReplicaPlace
 from shoal.ft.rounds import serialized
 from shoal.ft.session import LiveSession
-from shoal.ft.step import GroupState, StepOutcome
+from shoal.ft.step import GroupState, StepOutcome, copied
 
 
 class PeriodicSession(LiveSession):
@@ -81,7 +80,7 @@ class PeriodicSession(LiveSession):
             self._moved = False
             return StepOutcome.HEALED
         if self.round_due:
-            self.rounds.state = copy.deepcopy(self.state.state_dict(heal=True))
+            self.rounds.state = copied(self.state.state_dict(heal=True))
             self.round_due = False
         return StepOutcome.GO
 

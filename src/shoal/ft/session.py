@@ -25,7 +25,7 @@ The periodic strategies (local_sgd, diloco) meet the other groups only every few
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import os
 import sys
 import time
@@ -33,11 +33,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from shoal.ft.across import AcrossGroups, TopKAcrossGroups
+from shoal.ft.across import AcrossGroups, Carried, TopKAcrossGroups
 from shoal.ft.config import ReplicaPlace
 from shoal.ft.engine import Quorum
 from shoal.ft.rounds import Rounds, gather_blobs, serialized
-from shoal.ft.step import GroupState, LiveError, StepOutcome, loss_parts, state_bytes, unflatten
+from shoal.ft.step import (
+    GroupState,
+    LiveError,
+    StepOutcome,
+    copied,
+    loss_parts,
+    state_bytes,
+    unflatten,
+)
 from shoal.parallel.topk import sum_of_selections
 from shoal.runtime import heartbeat
 
@@ -71,8 +79,9 @@ class LiveSession:
         self._quorum: Quorum | None = None  # the quorum of the step under way
         self._steady = False  # the next step reuses the last quorum (see _average)
         self._asked = False  # a group asked for a full quorum in the step's average
-        # The step's numbers, summed in backward, or their sum under way (send_numbers).
-        self._sending: torch.Tensor | torch.futures.Future[torch.Tensor] | None = None
+        # The step's numbers, on their way in backward, or their sum under way
+        # (send_numbers).
+        self._sending: Carried | torch.futures.Future[torch.Tensor] | None = None
         # Where the gradients cross the groups in DDP's hook (``attach``).
         self._across: AcrossGroups | TopKAcrossGroups | None = None
         self.step_losses: tuple[float, int] = (0.0, 0)
@@ -145,7 +154,7 @@ class LiveSession:
             rounds.blob = b""
             if self._logged and (rounds.state is None or rounds.hand_next):
                 started = time.monotonic()
-                rounds.pending = copy.deepcopy(self.state.state_dict(heal=True))
+                rounds.pending = copied(self.state.state_dict(heal=True))
                 rounds.blob = serialized(self._kept)
                 rounds.cost = time.monotonic() - started
         return StepOutcome.GO
@@ -158,9 +167,8 @@ class LiveSession:
         zeros = self.state.blank_gradients()
         with heartbeat.waiting():
             if isinstance(self._across, TopKAcrossGroups):  # the others gather in backward
-                numbers = self._numbers((0.0, 0), None, brings=False)
-                self._across.blank(numbers, zeros[0].dtype)
-                self._read(numbers)
+                numbers = self._numbers((0.0, 0), brings=False)
+                self._read(self._across.blank(numbers, zeros[0].dtype).sums())
             else:
                 self._average(zeros, brings=False)
             if self.rounds.handing:  # the others hand over their compression state now
@@ -237,13 +245,16 @@ class LiveSession:
         assert not averaged or self._sending is not None  # (send_numbers)
         quorum, self._quorum = self._quorum, None
         self._steady = False  # until this step commits with every group in it
-        with heartbeat.waiting():  # each wait for the other groups has its own deadline
+        # Each wait for the other groups has its own deadline. None where the numbers came
+        # with the gradients and this process votes alone (a hand-over beats for its own).
+        waits = not isinstance(self._sending, Carried) or not self.replica.alone
+        with heartbeat.waiting() if waits else contextlib.nullcontext():
             self._average([] if averaged else grads, losses)
             if self._logged:
                 self._hand_over()
             committed = self.replica.commit()
         if self._logged:
-            self._log_step(grads if committed else None)
+            self._log_step(grads, committed)
             self.rounds.hand_next = committed and self.rounds.next
         if not committed:
             self.replica.drop()  # a group that committed fails its next step at once
@@ -287,26 +298,31 @@ class LiveSession:
         summed with the other groups' in the same collective: each group's sum in slots of
         its own (three float32 parts, exact), so every group reads every group's."""
         sending, self._sending = self._sending, None
-        if isinstance(sending, torch.Tensor):  # summed in backward (send_numbers)
-            sent = sending
-        elif sending is not None:  # started before backward (send_numbers)
+        if isinstance(sending, Carried):  # went with the gradients (send_numbers)
+            self._read(sending.sums())
+            return
+        if sending is not None:  # started before backward (send_numbers)
             sent = sending.wait()
         else:
-            sent = self._numbers(losses, tensors[0] if tensors else None, brings)
+            like = tensors[0] if tensors else None
+            sent = torch.tensor(self._numbers(losses, brings),
+                                dtype=like.dtype if like is not None else torch.float32,
+                                device=like.device if like is not None else None)
             if tensors:
                 self.replica.average([*tensors, sent], self._wire, summed=len(sent))
             else:
                 self.replica.sum(sent)
-        self._read(sent)
+        # (float32 and float64 hold each part exactly)
+        self._read(sent.tolist(), exact=sent.dtype in (torch.float32, torch.float64))
 
-    def _read(self, summed: torch.Tensor) -> None:
-        """What the step's numbers (``_numbers``), summed over the groups, say."""
-        got, losses = summed.tolist(), 3 * self.place.groups
+    def _read(self, got: list[float], exact: bool = True) -> None:
+        """What the step's numbers (``_numbers``), summed over the groups, say; ``exact``:
+        summed in a precision that holds each part."""
+        losses = 3 * self.place.groups
         self.step_losses = (sum(got[:losses]), round(got[losses]))
         self._asked = got[losses + 1] > 0
-        if self._logged:  # (float32 and float64 hold each part exactly)
-            self.rounds.read(got[losses + 2:], self.place.groups,
-                             exact=summed.dtype in (torch.float32, torch.float64))
+        if self._logged:
+            self.rounds.read(got[losses + 2:], self.place.groups, exact=exact)
 
     def send_numbers(self, losses: tuple[float, int]) -> None:
         """When the gradients cross the groups in backward (``attach``), before the step's
@@ -316,12 +332,11 @@ class LiveSession:
         assert self._across is not None  # attached
         if self.rounds.replay:
             return
-        numbers = self._numbers(losses, None)
-        self._sending = (numbers if self._across.carry(numbers)
-                         else self.replica.start_sum(numbers))
+        numbers = self._numbers(losses)
+        self._sending = (self._across.carry(numbers)
+                         or self.replica.start_sum(torch.tensor(numbers)))
 
-    def _numbers(self, losses: tuple[float, int], like: torch.Tensor | None,
-                 brings: bool = True) -> torch.Tensor:
+    def _numbers(self, losses: tuple[float, int], brings: bool = True) -> list[float]:
         """The step's numbers: each group's loss sum in slots of its own, the micro-batches,
         and whether this group asks for a full quorum; under 'exact' with error feedback,
         the hand-over's (``Rounds.numbers``: a commit vote is taken inside each group, so
@@ -336,8 +351,7 @@ class LiveSession:
         if self._logged:
             hand = self.rounds.due(self.state.global_step + 1)
             tail += self.rounds.numbers(brings, hand, group, groups)
-        return torch.tensor(tail, dtype=like.dtype if like is not None else torch.float32,
-                            device=like.device if like is not None else None)
+        return tail
 
     def _hand_over(self) -> None:
         """After a logged step's average: the hand-over of the compression state, when one
@@ -346,17 +360,19 @@ class LiveSession:
         rounds.gathered = None
         if rounds.handing:
             started = time.monotonic()
-            rounds.gathered = self._gather(rounds.blob, rounds.lengths)
+            with heartbeat.waiting():
+                rounds.gathered = self._gather(rounds.blob, rounds.lengths)
             rounds.cost += time.monotonic() - started
         if rounds.brought < self.place.groups:
             self.replica.abstain()
 
-    def _log_step(self, grads: Sequence[torch.Tensor] | None) -> None:
-        """After a step's vote: keep its mean (``grads``; None: it did not commit), and the
+    def _log_step(self, grads: Sequence[torch.Tensor], committed: bool) -> None:
+        """After a step's vote: keep its mean (``grads``, where it ``committed``), and the
         hand-over that came with it. Under topk in DDP's hook, the mean is kept as the
-        groups' selections it was made of (about 2 x ratio x groups of its bytes)."""
-        self.rounds.end_hand_over(committed=grads is not None)
-        if grads is None:
+        groups' selections it was made of (about 2 x ratio x groups of its bytes; then
+        ``grads`` are not needed)."""
+        self.rounds.end_hand_over(committed=committed)
+        if not committed:
             return
         last = None
         if isinstance(self._across, TopKAcrossGroups):  # (taken: each step's once)
@@ -389,10 +405,13 @@ class LiveSession:
         return gather_blobs(self.replica, self.place.group, self.place.groups, blob, lengths)
 
     @property
-    def logs(self) -> bool:
-        """'exact' with error feedback: each step's mean is kept (``end_step`` needs the
-        gradients, also where they were averaged in backward)."""
-        return self._logged
+    def needs_gradients(self) -> bool:
+        """``end_step`` needs the step's gradients also where they were averaged in
+        backward: a logged step redone alone (they become its mean), and under 'exact' with
+        error feedback each step's mean is kept (under topk in DDP's hook, as the groups'
+        selections: not from the gradients)."""
+        return bool(self.rounds.replay) or (
+            self._logged and not isinstance(self._across, TopKAcrossGroups))
 
     def attach(self, across: AcrossGroups | TopKAcrossGroups) -> None:
         """The gradients cross the groups in DDP's hook, ``across``: on this session's

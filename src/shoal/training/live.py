@@ -126,7 +126,7 @@ def end_step(t: Trainer, window_samples: int | None) -> StepOutcome:
         live.count_samples(samples)
         return StepOutcome.COMMITTED
     averaged = in_hook(t.harness.comm)  # in backward already, with the step's losses
-    grads = gradients(t.model) if live.logs or not averaged else []
+    grads = gradients(t.model) if live.needs_gradients or not averaged else []
     losses = (0.0, 0) if averaged else state.epoch_loss.step_sum()
     outcome = live.end_step(grads, samples, state.global_step, losses, averaged=averaged)
     if outcome is StepOutcome.AGAIN:
