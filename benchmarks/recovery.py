@@ -26,8 +26,9 @@
    speed measured in the same run with dd (conv=fdatasync), --repeats times, medians.
 
    With --compression (topk, powersgd, fp16, bf16) the job compresses its gradients so:
-   under live exact, powersgd and topk hand their error feedback over every 10 steps, and a
-   replacement redoes the steps since (its pause includes that redo).
+   under live exact, powersgd and topk hand their error feedback over every 10 steps or more
+   seldom (``compression_state_share``), and a replacement redoes the steps since (its
+   pause includes that redo).
 
     python benchmarks/recovery.py [--steps 14000] [--kills 6] [--seed 0] [--json FILE]
                                   [--compression none] [--no-save] [--state-mb 540]

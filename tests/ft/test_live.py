@@ -62,10 +62,11 @@ def _equals_ddp(live: Path, reference: Path, groups: int = 2) -> bool:
 
 
 @contextmanager
-def in_background(out: Path, *flags: str, steps: int = STEPS) -> Iterator[Callable[[], Path]]:
+def in_background(out: Path, *flags: str, steps: int = STEPS, job: tuple[str, ...] = ()
+                  ) -> Iterator[Callable[[], Path]]:
     """A run started at once and waited for when first asked (so that it runs beside the
     test's own run); stopped by its pid if the test ends first."""
-    process = _shoal_run(out, *flags, steps=steps)
+    process = _shoal_run(out, *flags, job=job, steps=steps)
     done: list[Path] = []
 
     def wait() -> Path:
@@ -83,9 +84,18 @@ def in_background(out: Path, *flags: str, steps: int = STEPS) -> Iterator[Callab
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    """Today's 2-process DDP run without failures."""
-    with in_background(tmp_path_factory.mktemp("ddp") / "run", "--nproc-per-node", "2") as wait:
+    """Today's 2-process DDP run without failures (its step metrics in metrics/)."""
+    folder = tmp_path_factory.mktemp("ddp")
+    with in_background(folder / "run", "--nproc-per-node", "2",
+                       job=("--metrics", str(folder / "run" / "metrics"))) as wait:
         yield wait
+
+
+def _step_metrics(folder: Path) -> list[tuple[int, float, float]]:
+    """(step, loss, samples) of each step in ``folder``'s metrics.jsonl."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], round(r["samples_per_s"] * r["step_time_s"]))
+            for r in rows if r.get("type") == "step"]
 
 
 def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
@@ -128,15 +138,20 @@ def test_without_failures_the_groups_ask_the_lighthouse_once(tmp_path, ddp_run):
     first quorum (no full quorum is due within the hour the Trainer sets): one quorum per
     group for the whole run, and both end bitwise equal to the 2-process DDP run. Each
     group validates alone, in DDP's batches, and its train_loss covers every group's
-    losses (they travel with each step's average): the very figures DDP reports."""
+    losses (they travel with each step's average): the very figures DDP reports, and so
+    are its step metrics (the loss of every group's rank, every group's samples)."""
     live = tmp_path / "live"
-    output = _finish(_shoal_run(live, "--replica-groups", "2", job=("--quorum-every", "3600")))
+    output = _finish(_shoal_run(live, "--replica-groups", "2",
+                                job=("--quorum-every", "3600",
+                                     "--metrics", str(tmp_path / "metrics"))))
     assert [figures(live, group)["quorums"] for group in (0, 1)] == [1, 1], output[-4000:]
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
     for figure in ("validation", "train_loss"):
         assert figures(live, 0)[figure] == figures(live, 1)[figure] \
             == figures(ddp_run(), 0)[figure], figure
+    steps = _step_metrics(tmp_path / "metrics")
+    assert len(steps) == STEPS and steps == _step_metrics(ddp_run() / "metrics")
 
 
 def _val_loss(model_state: dict) -> float:

@@ -194,10 +194,11 @@ class StepMetrics:
                             for p, (*_, c) in zip(phases, self._steps, strict=True)],
                            dtype=torch.float64)
         nan = torch.full((), float("nan"), device=self._losses[0].device)
-        read = torch.stack([torch.stack([loss.float().reshape(()) for loss in self._losses]),
-                            torch.stack([(n if n is not None else nan).float().reshape(())
+        # (float64: a live step's loss is already the mean over its groups, DDP's figure)
+        read = torch.stack([torch.stack([loss.double().reshape(()) for loss in self._losses]),
+                            torch.stack([(n if n is not None else nan).double().reshape(())
                                          for n in self._norms])], dim=1)
-        own = torch.cat([own, read.double().cpu()], dim=1)
+        own = torch.cat([own, read.cpu()], dim=1)
         resources = self.sampler.take() if self.sampler else dict.fromkeys(
             RESOURCE_FIELDS, float("nan"))
         flat = torch.cat([own.reshape(-1), torch.tensor(

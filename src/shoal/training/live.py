@@ -137,6 +137,23 @@ def end_step(t: Trainer, window_samples: int | None) -> StepOutcome:
     return outcome
 
 
+def step_figures(t: Trainer, loss: torch.Tensor, samples: int, tokens: int,
+                 micro_batches: int) -> tuple[torch.Tensor, int, int]:
+    """A committed step's figures for the metrics (this rank's mean loss over its
+    ``micro_batches``, samples, tokens), as DDP over the ranks of every group reports
+    them: the mean loss of the same rank of every group in the step (their sums travel
+    with its average, ``LiveSession.step_losses``), and the samples and tokens of them all
+    (each group's step holds as many). With one micro-batch a step that mean is DDP's
+    bitwise; with more, DDP's mean of the ranks' means may differ in its last bits. The
+    periodic strategies' groups do not meet each step: this group's own."""
+    if t.live.periodic:
+        return loss, samples, tokens
+    total, batches = t.live.step_losses
+    groups = batches // micro_batches
+    return (torch.tensor(total / batches, dtype=torch.float64, device=loss.device),
+            samples * groups, tokens * groups)
+
+
 def settle(t: Trainer, batch: Any) -> None:
     """Before a replacement's first step, when due: cut DDP's buckets as the live groups
     have (``shoal.ft.across``), with one forward and backward of ``batch`` (the step's first

@@ -54,6 +54,7 @@ from shoal.training.live import (
     end_step,
     open_live,
     settle,
+    step_figures,
 )
 from shoal.training.preemption import Preempted, PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
@@ -388,11 +389,13 @@ class Trainer:
                     return outcome
             self._optimizer_step(position_after(loader, micro_batches), loss)
             if self._metrics:
+                figures = (cast(torch.Tensor, step_loss) / (position + 1), step_samples,
+                           step_tokens)
+                if self.live is not None:  # every group's, as DDP over their ranks says
+                    figures = step_figures(self, *figures, micro_batches=position + 1)
                 self._metrics.step(self.global_step, self.epoch,
-                                   self.optimizer.param_groups[0]["lr"],
-                                   cast(torch.Tensor, step_loss) / (position + 1),
-                                   h.last_grad_norm,
-                                   step_samples, step_tokens, h.last_comm)
+                                   self.optimizer.param_groups[0]["lr"], figures[0],
+                                   h.last_grad_norm, figures[1], figures[2], h.last_comm)
             self._checkpoint_step()
             if progress.wants_update():
                 rate = samples * h.data_ranks / (time.perf_counter() - start)
