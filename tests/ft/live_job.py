@@ -1,7 +1,7 @@
 """A digits job for the live-recovery tests, run by `shoal run --replica-groups R`.
 
     live_job.py OUT STEPS [--kill GROUP:STEP[:SIGNAL[:RANK]]]... [--pace STEP:SECONDS]
-                [--hold STEP] [--checkpoints DIR] [--metrics DIR] [--strategy S]
+                [--hold STEP] [--checkpoints DIR] [--metrics DIR[:EVERY]] [--strategy S]
                 [--compression C] [--period H] [--backend gloo|nccl]
 
 Every worker writes its pid per attempt (OUT/pid.g<group>.a<attempt>.r<rank>) and, at the
@@ -55,7 +55,8 @@ parser.add_argument("out")
 parser.add_argument("steps", type=int)
 parser.add_argument("--kill", action="append", default=[])
 parser.add_argument("--pace", default=None)
-parser.add_argument("--metrics", default=None, help="write step metrics to this directory")
+parser.add_argument("--metrics", default=None,
+                    help="write step metrics to this directory (a window every EVERY steps)")
 parser.add_argument("--checkpoints", default=None, help="checkpoint every step, resume: auto")
 parser.add_argument("--hold", type=int, default=None,
                     help="after this step group 0 writes OUT/held and waits for OUT/go")
@@ -90,7 +91,8 @@ trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), b
                                else {}),
                             **({"compression_state_share": args.share} if args.share
                                else {})},
-                        metrics={"dir": args.metrics} if args.metrics else {"enabled": False},
+                        metrics=dict(zip(("dir", "every"), args.metrics.split(":"), strict=False))
+                        if args.metrics else {"enabled": False},
                         **({"checkpoint_dir": args.checkpoints, "checkpoint_every": 1,
                             "resume": "auto"} if args.checkpoints else {}))
 for spec in args.kill:

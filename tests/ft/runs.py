@@ -19,8 +19,15 @@ JOB = str(Path(__file__).with_name("live_job.py"))
 TIMEOUT = 240
 """Seconds a run may take before the test fails: a hang guard (a run takes well under a
 minute alone, a few on a loaded 2-core machine)."""
-REPLACED_ONCE = ["pid.g0.a0.r0", "pid.g1.a0.r0", "pid.g1.a1.r0"]
-"""``pids`` of a run of 2 groups of 1 whose group 1 was started again once (group 0 never)."""
+
+
+def replaced_once(group: int) -> list[str]:
+    """``pids`` of a run of 2 groups of 1 whose group ``group`` was started again once (the
+    other never)."""
+    return sorted([*(f"pid.g{g}.a0.r0" for g in (0, 1)), f"pid.g{group}.a1.r0"])
+
+
+REPLACED_ONCE = replaced_once(1)
 
 
 class Runs:
@@ -86,6 +93,22 @@ def figures(out: Path, group: int = 0, rank: int = 0) -> dict:
 def pids(out: Path) -> list[str]:
     """The workers a run started: pid.g<group>.a<attempt>.r<rank>, sorted."""
     return sorted(p.name for p in out.glob("pid.*"))
+
+
+def step_metrics(folder: Path) -> list[tuple[int, float, float, float | None]]:
+    """(step, loss, samples, grad_norm) of each step in ``folder``'s metrics.jsonl, as its
+    reader takes them: a start or resume marked at step s drops what was written of the
+    steps after s (they are done again)."""
+    steps: dict[int, tuple[int, float, float, float | None]] = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("kind") in ("start", "resume"):
+            steps = {s: row for s, row in steps.items() if s <= r["step"]}
+        elif r["type"] == "step":
+            assert r["step"] not in steps, f"step {r['step']} written twice"
+            steps[r["step"]] = (r["step"], r["loss"],
+                                round(r["samples_per_s"] * r["step_time_s"]), r["grad_norm"])
+    return sorted(steps.values())
 
 
 def same_end(ours: dict, theirs: dict) -> bool:

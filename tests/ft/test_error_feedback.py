@@ -1,7 +1,8 @@
 """Live mode, policy 'exact', under the compressions whose error feedback each rank keeps
 for itself (powersgd, topk): 2 groups of 1 process, a hand-over of the compression state
 every 10 steps (the default, with no bound on the hand-overs' share of the run: exactly
-then), group 1 SIGKILLed three steps after one. Each run is compared
+then), a group SIGKILLed three steps after one (under topk group 0, which writes the step
+metrics). Each run is compared
 with the same live run without failures under policy 'available', started beside it (the
 policies differ only when a group is missing: this also tests that 'available' runs with
 these compressions, and that the groups end as one model)."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ft.runs import REPLACED_ONCE, Runs, final, pids, same_end
+from tests.ft.runs import Runs, final, pids, replaced_once, same_end, step_metrics
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.timeout(300)
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 16
 COMPRESSIONS = {"topk": "topk",  # from the first step
                 "powersgd": '{"name":"powersgd","warmup_steps":2}'}  # from step 3
+KILLED = {"topk": 0, "powersgd": 1}  # the group SIGKILLed (group 0 writes the metrics)
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +33,31 @@ def test_replacement_redoes_its_steps_since_the_hand_over(runs, compression):
     """The survivor is never restarted; the replacement heals from it: the state of the
     hand-over at step 10 with its own group's compression state, redoes steps 11 to 13
     alone with the survivor's kept mean of each, and both end bitwise equal to the run
-    without failures (which the error feedback of group 1's steps 11 to 16 feeds)."""
+    without failures (which the error feedback of the killed group's steps 11 to 16 feeds).
+    Under topk the group killed is group 0, which writes the step metrics in windows of 8:
+    the one of steps 9 to 16 dies with it, and its replacement writes steps 9 and 10 as the
+    survivor kept them (with its hand-over), then its own: every step's figures are those
+    of the run without failures."""
+    killed = KILLED[compression]
     job = f"--compression {COMPRESSIONS[compression]} --share 1"
+    metrics = f" --metrics {runs.root}/{{}}/metrics:8" if compression == "topk" else ""
     runs.start(f"whole-{compression}", "--replica-groups", "2", "--ft-policy", "available",
-               job=job)
+               job=job + metrics.format(f"whole-{compression}"))
     runs.start(f"killed-{compression}", "--replica-groups", "2", "--max-restarts", "1",
-               job=f"{job} --kill 1:13")
+               job=f"{job} --kill {killed}:13" + metrics.format(f"killed-{compression}"))
     live, output = runs.wait(f"killed-{compression}")
-    assert pids(live) == REPLACED_ONCE, output[-6000:]
-    assert "replica group 1: healed from a live group at step 10" in output, output[-6000:]
-    assert "replica group 1: redoes steps 11 to 13 alone while the other groups wait" in \
-        output, output[-6000:]
+    assert pids(live) == replaced_once(killed), output[-6000:]
+    assert f"replica group {killed}: healed from a live group at step 10" in output, \
+        output[-6000:]
+    assert f"replica group {killed}: redoes steps 11 to 13 alone while the other groups " \
+        "wait" in output, output[-6000:]
     reference, _ = runs.wait(f"whole-{compression}")
     assert final(live)["step"] == STEPS
     assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))
     assert same_end(final(reference, 0), final(reference, 1))
+    if metrics:
+        steps = step_metrics(live / "metrics")
+        assert len(steps) == STEPS and steps == step_metrics(reference / "metrics")
 
 
 def test_a_group_whose_step_did_not_commit_catches_up_from_the_hand_over(runs):
@@ -54,7 +66,8 @@ def test_a_group_whose_step_did_not_commit_catches_up_from_the_hand_over(runs):
     state then) and redoes steps 11 and 12; both end bitwise equal to the run without
     failures."""
     job = f"--compression {COMPRESSIONS['topk']} --share 1"
-    runs.start("whole-topk", "--replica-groups", "2", "--ft-policy", "available", job=job)
+    runs.start("whole-topk", "--replica-groups", "2", "--ft-policy", "available",
+               job=f"{job} --metrics {runs.root}/whole-topk/metrics:8")
     runs.start("no-commit", "--replica-groups", "2", job=f"{job} --no-commit 1:12")
     live, output = runs.wait("no-commit")
     assert "replica group 1: step 12 did not commit" in output

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.examples.digits import build_data, build_model
-from tests.ft.runs import TIMEOUT, figures, final, pids, start_piped
+from tests.ft.runs import TIMEOUT, figures, final, pids, start_piped, step_metrics
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
@@ -91,13 +91,6 @@ def ddp_run(tmp_path_factory):
         yield wait
 
 
-def _step_metrics(folder: Path) -> list[tuple[int, float, float]]:
-    """(step, loss, samples) of each step in ``folder``'s metrics.jsonl."""
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"], round(r["samples_per_s"] * r["step_time_s"]))
-            for r in rows if r.get("type") == "step"]
-
-
 def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
     """The lighthouse SIGKILLed at step 3: the launcher starts it again on the same address.
     Then a group SIGKILLed mid-step: the other one is never restarted and waits in memory,
@@ -150,8 +143,8 @@ def test_without_failures_the_groups_ask_the_lighthouse_once(tmp_path, ddp_run):
     for figure in ("validation", "train_loss"):
         assert figures(live, 0)[figure] == figures(live, 1)[figure] \
             == figures(ddp_run(), 0)[figure], figure
-    steps = _step_metrics(tmp_path / "metrics")
-    assert len(steps) == STEPS and steps == _step_metrics(ddp_run() / "metrics")
+    steps = step_metrics(tmp_path / "metrics")
+    assert len(steps) == STEPS and steps == step_metrics(ddp_run() / "metrics")
 
 
 def _val_loss(model_state: dict) -> float:

@@ -103,3 +103,42 @@ def test_find_straggler():
     found = find_straggler([rank(comm=3.0), rank(comm=3.0), rank(compute=4.0, comm=1.0)])
     assert (found["rank"], found["phase"]) == (2, "compute")
     assert found["phase_excess_s"] == pytest.approx(2.0)
+
+
+class _Comm:  # what a step sent and waited for (none here)
+    wait = blocked = bytes = 0.0
+
+
+def test_a_replacement_writes_the_steps_kept_for_it_after_its_file(tmp_path):
+    """A live replacement of the writing group: the steps another group kept for it
+    (``StepFigures``) are written after the last step the file holds (a window the group
+    it replaces wrote is not written again), with the kept wall time and no split; its
+    start is marked at the step before the first one it writes; windows end at every
+    ``every``-th step, also after a start mid-window."""
+    import torch
+
+    from shoal.metrics.recorder import MetricsConfig, StepMetrics
+
+    config = MetricsConfig(dir=str(tmp_path), every=4, resources=False, tensorboard=False)
+    first = StepMetrics(config, torch.device("cpu"), 0, 1)
+    for step in range(1, 7):  # steps 5 and 6 are lost with it
+        first.step(step, 0, 0.1, torch.tensor(float(step)), None, 8, 0, _Comm())
+    first.close()
+    kept = [(step, 0, 0.1, torch.tensor(float(step), dtype=torch.float64), None, 8, 0, 0.0,
+             0.5) for step in range(3, 7)]
+    second = StepMetrics(config, torch.device("cpu"), 0, 1, announce=False)
+    assert second.writer is not None and second.writer.last_step() == 4
+    before = second.adopt(kept)
+    second.started(before)
+    second.step(7, 0, 0.1, torch.tensor(7.0), None, 8, 0, _Comm())
+    second.finish(show_summary=False)
+    second.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert before == 4
+    assert [(r["type"], r.get("step", r.get("steps"))) for r in lines] == [
+        ("event", 0), *(("step", s) for s in range(1, 5)), ("ranks", [1, 4]),
+        ("event", 4), *(("step", s) for s in range(5, 8)), ("ranks", [5, 7])]
+    adopted = [r for r in lines if r["type"] == "step" and r["step"] in (5, 6)]
+    assert [r["loss"] for r in adopted] == [5.0, 6.0]
+    assert all(r["step_time_s"] == 0.5 and r["samples_per_s"] == 16
+               and set(r["phases_s"].values()) == {None} for r in adopted)

@@ -413,6 +413,11 @@ class LiveSession:
         return bool(self.rounds.replay) or (
             self._logged and not isinstance(self._across, TopKAcrossGroups))
 
+    @property
+    def everyone(self) -> bool:
+        """Every group took part in the last step that committed (or meeting)."""
+        return self._participants == self.place.groups
+
     def attach(self, across: AcrossGroups | TopKAcrossGroups) -> None:
         """The gradients cross the groups in DDP's hook, ``across``: on this session's
         process group across groups."""

@@ -1,7 +1,7 @@
 """The Trainer's step metrics: recorded on every rank, gathered every few steps, written once.
 
-Each rank keeps a few floats per step (phases, loss, samples, bytes). Every ``every`` steps
-one all-gather brings them and each rank's resource use to rank 0, which writes a JSON line
+Each rank keeps a few floats per step (phases, loss, samples, bytes). At every ``every``-th
+step one all-gather brings them and each rank's resource use to rank 0, which writes a JSON line
 per step and one per window (every rank's figures and the straggler, if any), mirrors the
 main figures to TensorBoard and, when asked, to an MLflow run, and prints the straggler when
 it changes. At the end of the run rank 0 prints a table: every rank's mean step split, CPU
@@ -25,6 +25,7 @@ from shoal.metrics.resources import FIELDS as RESOURCE_FIELDS
 from shoal.metrics.resources import ResourceSampler, memory_limit
 from shoal.metrics.steps import PHASES, StepClock
 from shoal.metrics.stragglers import describe, find_straggler
+from shoal.metrics.unwritten import StepFigures
 from shoal.metrics.writer import MetricsWriter
 from shoal.runtime.collectives import gather_into_tensor
 from shoal.runtime.restarts import restart_cause
@@ -42,8 +43,8 @@ class MetricsConfig(BaseModel):
     enabled: bool = True
     """Measure every step's phases on every rank (a few clock reads per step)."""
     every: int = Field(50, ge=1)
-    """Gather every rank's figures, look for a straggler and write them every this many
-    steps (and at the end)."""
+    """Gather every rank's figures, look for a straggler and write them at every step that
+    is a multiple of this (and at the end)."""
     grad_norm_every: int | None = Field(10, ge=1)
     """Measure the gradient norm every this many steps: a pass over every gradient, a few
     percent of a small model's step. Steps that clip or check for non-finite gradients
@@ -82,6 +83,11 @@ class MetricsConfig(BaseModel):
     def _mlflow_switch(cls, value: object) -> object:
         return {} if value is True else None if value is False else value
 
+    def wants_grad_norm(self, global_step: int) -> bool:
+        """Whether step ``global_step`` measures the gradient norm."""
+        every = self.grad_norm_every
+        return every is not None and global_step % every == 0
+
     @model_validator(mode="after")
     def _mlflow_needs_metrics(self) -> MetricsConfig:
         if self.mlflow is not None and not self.enabled:
@@ -91,20 +97,22 @@ class MetricsConfig(BaseModel):
 
 
 class StepMetrics:
-    """Per-step phases of this rank; gathered to rank 0 every ``config.every`` steps."""
+    """Per-step phases of this rank; gathered to rank 0 at every ``config.every``-th step
+    (the windows end at the same steps in every run and every live group)."""
 
     def __init__(self, config: MetricsConfig, device: torch.device, rank: int, world: int,
                  flops_per_token: float | None = None, precision: str = "32",
                  extras: tuple[str, ...] = (), labels: dict[str, str] | None = None,
                  start_step: int = 0, resumed: bool = False, params: dict | None = None,
-                 tracking: dict[str, str] | None = None):
+                 tracking: dict[str, str] | None = None, announce: bool = True):
         """``extras``: the names of further figures each ``step`` gives (the same on every
         rank, or averaged over them); ``labels``: names the phases go by in what is
         printed (reinforcement learning's 'data' is its rollout); ``start_step`` and
         ``resumed``: where this start of the job begins, marked in metrics.jsonl;
         ``params``: the settings an MLflow run logs as its params; ``tracking``: the
         tracker's run id a resumed checkpoint kept (continued), updated with the run
-        opened (to be kept in the next checkpoints)."""
+        opened (to be kept in the next checkpoints); ``announce``: mark the start now (else
+        ``started`` does, once the step it starts from is known: a live replacement's)."""
         self.config = config
         self.fields = (*STEP_FIELDS, *extras)
         self.extras = extras
@@ -130,16 +138,29 @@ class StepMetrics:
         self.total_steps = 0
         self.total_tokens = self.total_time = 0.0  # rank 0: the job's tokens and step time
         self._last_straggler: tuple[int, str] | None = None
-        # A start (and each restart or resume) is marked, for the dashboard's curves; a
-        # restart under `shoal run` after the failure the launcher told of.
+        self.last_step = start_step
+        """The last step recorded (written, or in the window under way)."""
+        self._resumed = resumed
+        self.announced = False
+        """The start is marked (``started``)."""
+        if announce:
+            self.started(start_step)
+
+    def started(self, step: int) -> None:
+        """Mark the start (and each restart or resume) at ``step``, for the dashboard's
+        curves (it forgets what was recorded after it: those steps are done again); a
+        restart under `shoal run` after the failure the launcher told of. Once."""
+        if self.announced:
+            return
+        self.announced = True
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         failure = restart_cause(restart)
         if failure is not None:
-            self.record("event", start_step, kind="failure", attempt=failure.attempt,
+            self.record("event", step, kind="failure", attempt=failure.attempt,
                         rank=failure.rank, pid=failure.pid, cause=failure.cause,
                         exit_code=failure.exit_code, failed_at=failure.time)
-        self.record("event", start_step, kind="resume" if resumed else "start",
-                    world_size=world, restart=restart, memory_limit_bytes=memory_limit())
+        self.record("event", step, kind="resume" if self._resumed else "start",
+                    world_size=self.world, restart=restart, memory_limit_bytes=memory_limit())
 
     def _open_mlflow(self, params: dict, tracking: dict[str, str]) -> MLflowRun | None:
         name = os.path.basename(os.path.normpath(self.config.dir)) if self.config.dir else None
@@ -160,10 +181,6 @@ class StepMetrics:
             self.mlflow.log_metrics(step, {k: v for k, v in fields.items()
                                            if k != "epoch" and isinstance(v, (int, float))})
 
-    def wants_grad_norm(self, global_step: int) -> bool:
-        every = self.config.grad_norm_every
-        return every is not None and global_step % every == 0
-
     def step(self, global_step: int, epoch: int, lr: float, loss: torch.Tensor,
              grad_norm: torch.Tensor | None, samples: int, tokens: int, comm,
              extras: dict[str, float] | None = None) -> None:
@@ -172,11 +189,33 @@ class StepMetrics:
         counts = {"samples": float(samples), "tokens": float(tokens), "bytes": comm.bytes,
                   **{name: float((extras or {}).get(name, float("nan")))
                      for name in self.extras}}
+        self._keep(global_step, epoch, lr, counts, loss.detach(),
+                   grad_norm.detach() if grad_norm is not None else None)
+
+    def _keep(self, global_step: int, epoch: int, lr: float, counts: dict[str, float],
+              loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         self._steps.append((global_step, epoch, lr, counts))
-        self._losses.append(loss.detach())
-        self._norms.append(grad_norm.detach() if grad_norm is not None else None)
-        if len(self._steps) >= self.config.every:
+        self._losses.append(loss)
+        self._norms.append(grad_norm)
+        self.last_step = global_step
+        if global_step % self.config.every == 0:
             self.flush()
+
+    def adopt(self, steps: list[tuple]) -> int | None:
+        """A live replacement of the writing group: record ``steps`` (``StepFigures``, as
+        another group kept them), those after what this run has recorded (its file says how
+        far the group it replaces wrote), each with the wall time that group measured and
+        no split of it. Returns the step before the first one recorded (None: none was).
+        Collective, as ``step``."""
+        written = max(self.last_step, self.writer.last_step() if self.writer else 0)
+        taken = [f for f in map(StepFigures._make, steps) if f.step > written]
+        for f in taken:
+            self.clock.unmeasured(f.seconds)
+            counts = {"samples": float(f.samples), "tokens": float(f.tokens),
+                      "bytes": f.bytes, **dict.fromkeys(self.extras, float("nan"))}
+            self._keep(f.step, f.epoch, f.lr, counts, f.loss.to(self.device),
+                       f.grad_norm.to(self.device) if f.grad_norm is not None else None)
+        return taken[0].step - 1 if taken else None
 
     def sync(self) -> None:
         """Collective, before a checkpoint: the steps so far written, and sent to MLflow,
@@ -218,14 +257,17 @@ class StepMetrics:
         per_step = table[:, :n * len(fields)].view(self.world, n, len(fields))
         resources = table[:, n * len(fields):]
         column = {f: per_step[:, :, i] for i, f in enumerate(fields)}
+        # Over the steps this run measured (``adopt``'s have no split: NaN phases).
+        measured = ~column["data"][0].isnan()
         ranks = []
         for r in range(self.world):
-            row = {f: column[f][r].mean().item() for f in (*PHASES, "step")}
+            row = {f: column[f][r][measured].mean().item() for f in (*PHASES, "step")}
             row.update({f: resources[r, i].item() for i, f in enumerate(RESOURCE_FIELDS)})
             ranks.append(row)
-        self._accumulate(column, resources, n)
+        self._accumulate(column, resources)
         first, last = self._steps[0][0], self._steps[-1][0]
-        straggler = find_straggler(ranks, self.config.straggler_threshold)
+        straggler = find_straggler(ranks, self.config.straggler_threshold) \
+            if measured.any() else None
         if straggler and (straggler["rank"], straggler["phase"]) != self._last_straggler:
             print(f"shoal: {describe(straggler, first, last, self.labels)}", file=sys.stderr,
                   flush=True)
@@ -280,14 +322,15 @@ class StepMetrics:
         if self.mlflow is not None:
             self.mlflow.log_metrics(step, values)
 
-    def _accumulate(self, column: dict[str, torch.Tensor], resources: torch.Tensor,
-                    n: int) -> None:
+    def _accumulate(self, column: dict[str, torch.Tensor], resources: torch.Tensor) -> None:
         if self.totals is None:
             self.totals = [dict.fromkeys((*PHASES, "step", *RESOURCE_FIELDS), 0.0)
                            for _ in range(self.world)]
+        measured = ~column["data"][0].isnan()  # (see _report)
+        n = int(measured.sum())
         for r, totals in enumerate(self.totals):
             for p in (*PHASES, "step"):
-                totals[p] += column[p][r].sum().item()
+                totals[p] += column[p][r][measured].sum().item()
             for i, f in enumerate(RESOURCE_FIELDS):  # weighted by steps, for a run mean
                 totals[f] += resources[r, i].item() * n
         self.total_steps += n

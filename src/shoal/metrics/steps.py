@@ -16,6 +16,7 @@ ahead of the GPU as it would without metrics.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import NamedTuple, cast
 
@@ -25,8 +26,8 @@ PHASES = ("data", "compute", "comm", "optimizer", "other")
 
 
 class _Step(NamedTuple):
-    start: object  # a perf_counter reading, or a recorded CUDA event
-    end: object
+    start: object  # a perf_counter reading, or a recorded CUDA event (None: unmeasured)
+    end: object  # (unmeasured: the step's wall time)
     laps: list[tuple[str, object, object]]  # (phase, from, to)
     comm_wait: float
     comm_blocked: float
@@ -80,15 +81,23 @@ class StepClock:
         self._laps = []
         self._start = self._last = end
 
+    def unmeasured(self, seconds: float) -> None:
+        """A step closed elsewhere (another live group's, see ``StepMetrics.adopt``): its
+        wall time, and no split of it (NaN phases). The step under way is not touched."""
+        self._steps.append(_Step(None, seconds, [], math.nan, math.nan))
+
     def take(self) -> list[dict[str, float]]:
         """The phases in seconds, and 'step' (their sum), of every step closed since the
         last call; on CUDA this waits for the last one's kernels (once per window)."""
         steps, self._steps = self._steps, []
-        if self.cuda and steps:
-            cast("torch.cuda.Event", steps[-1].end).synchronize()
+        measured = [step for step in steps if step.start is not None]
+        if self.cuda and measured:
+            cast("torch.cuda.Event", measured[-1].end).synchronize()
         return [self._record(step) for step in steps]
 
     def _record(self, step: _Step) -> dict[str, float]:
+        if step.start is None:  # unmeasured: its end is its wall time
+            return {**dict.fromkeys(PHASES, math.nan), "step": cast(float, step.end)}
         acc = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0}
         for phase, a, b in step.laps:
             acc[phase] += self._seconds(a, b)

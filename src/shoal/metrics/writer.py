@@ -10,6 +10,7 @@ from typing import Any
 from shoal.extras import installed, require
 
 JSONL = "metrics.jsonl"
+_CHUNK = 1 << 16  # bytes read at a time from the end of the file (``last_step``)
 TENSORBOARD = "tensorboard"
 
 
@@ -45,6 +46,28 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(_clean(record)) + "\n")
+
+    def last_step(self) -> int:
+        """The step of the last step record in metrics.jsonl (0: none), read from its end
+        (a live replacement of the writing group: where the one it replaces stopped)."""
+        self._file.flush()
+        with open(self.dir / JSONL, "rb") as file:
+            end = file.seek(0, 2)
+            tail = b""
+            while end > 0:
+                start = max(0, end - _CHUNK)
+                file.seek(start)
+                tail = file.read(end - start) + tail
+                end = start
+                lines = tail.split(b"\n")
+                for line in reversed(lines[1:] if start else lines):  # whole lines only
+                    if b'"type": "step"' in line:
+                        try:
+                            return int(json.loads(line)["step"])
+                        except (ValueError, KeyError, TypeError):  # a line cut by a kill
+                            continue
+                tail = lines[0] if start else b""
+        return 0
 
     def scalars(self, step: int, values: dict[str, float | None]) -> None:
         if self._tb is None:

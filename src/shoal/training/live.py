@@ -94,17 +94,30 @@ def begin_step(t: Trainer) -> StepOutcome:
     live, comm = t.live, t.harness.comm
     if live.periodic:  # local_sgd, diloco: a meeting when one is due
         outcome = live.join(comm.contribution)  # (computed only to join)
-        if outcome is StepOutcome.HEALED:  # 'exact': redo the steps since the meeting
-            return outcome
-        if comm.due or live.joins_meeting:
-            t.harness.synchronize()
-        outcome = live.after_meeting()
+        if outcome is not StepOutcome.HEALED:  # ('exact': redo the steps since the meeting)
+            if comm.due or live.joins_meeting:
+                t.harness.synchronize()
+            outcome = live.after_meeting()
     else:  # the step's losses go with its average (a step done again drops them)
         t.state.epoch_loss.mark()
         outcome = live.begin_step()
+    healed = outcome is StepOutcome.HEALED
+    if t._metrics is not None and (healed or not t._metrics.announced):
+        _write_from(t, healed)
     if outcome is StepOutcome.GO:
         seed_step(t)
     return outcome
+
+
+def _write_from(t: Trainer, healed: bool) -> None:
+    """The writing group, after a quorum: where a heal took it, the steps the group it healed
+    from kept that this run has not written (``shoal.metrics.unwritten``), and the mark of
+    this start at the step before the first one it writes (the dashboard forgets what was
+    written after it)."""
+    metrics, state = t._metrics, t.state
+    before = metrics.adopt(state.unwritten) if healed else None
+    state.unwritten = []
+    metrics.started(state.global_step if before is None else before)
 
 
 def before_backward(t: Trainer, loss: torch.Tensor) -> None:

@@ -73,6 +73,11 @@ class TrainState:
         """Steps skipped for non-finite gradients."""
         self.epoch_loss = EpochLoss(harness.device)
         """The epoch's running loss sums, since it began."""
+        self.unwritten: list[tuple] = []
+        """A live group that does not write the metrics: this rank's figures of the steps
+        whose window the writing group may not have written yet
+        (``shoal.metrics.recorder.StepFigures``), which a replacement of that group writes
+        (see ``shoal.training.live.keep_figures``). A heal's, not a checkpoint's."""
 
     @property
     def periodic(self) -> bool:
@@ -114,6 +119,7 @@ class TrainState:
                     "epoch_loss": [*self.epoch_loss.totals(h.world_size),
                                    per_step(h.world_size, groups, self.accumulate)]}
         state["epoch_loss"] = self.epoch_loss.state()
+        state["unwritten"] = list(self.unwritten)
         if self.periodic:  # the replica's outer state (the groups' is the same)
             state["comm"] = h.comm.state_dict()
         # DDP's buckets: cut for good here, or about to be (a replacement cuts its own
@@ -142,6 +148,7 @@ class TrainState:
         self.skipped_steps = list(state.get("skipped_steps", []))
         if heal:
             self.epoch_loss = EpochLoss.taken_over(h.device, state["epoch_loss"])
+            self.unwritten = list(state["unwritten"])
             if "comm" in state:
                 h.comm.load_state_dict(state["comm"])
             if isinstance(h.comm, AcrossGroups):

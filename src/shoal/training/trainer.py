@@ -25,6 +25,7 @@ from shoal.errors import NonFiniteError, UsageError
 from shoal.ft import ReplicaPlace
 from shoal.ft.step import StepOutcome
 from shoal.metrics.recorder import StepMetrics
+from shoal.metrics.unwritten import UnwrittenSteps
 from shoal.parallel.pipeline_parallel import PipelineModel
 
 # layers: up to remote/, which imports nothing of training: a RemoteModule stays whole
@@ -154,6 +155,8 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self._preemption: PreemptionWatch | None = None
         self._metrics: StepMetrics | None = None
+        # A live group that does not write the metrics: its figures until they are written.
+        self._unwritten: UnwrittenSteps | None = None
         self.run_config: dict | None = None  # the resolved run config, kept in checkpoints
         # The MLflow run's id, kept in checkpoints: a resumed run logs into the same run.
         self.tracking: dict[str, str] = {}
@@ -259,8 +262,12 @@ class Trainer:
                                     resumed=bool(c.resume) and self.global_step > 0,
                                     params=self.run_config or {"trainer": c.model_dump(
                                         mode="json")},
-                                    tracking=self.tracking) \
+                                    tracking=self.tracking,
+                                    # live: from the step the first quorum says
+                                    announce=self.live is None) \
             if c.metrics.enabled and writes else None
+        self._unwritten = UnwrittenSteps(self.state, c.metrics.every) \
+            if c.metrics.enabled and not writes else None
         if self.checkpointing and self._metrics:
             self.checkpointing.before_save = self._metrics.sync
         try:
@@ -349,6 +356,9 @@ class Trainer:
         clock = self._metrics.clock if self._metrics else None
         if clock:
             clock.begin()
+        if self._unwritten:
+            self._unwritten.begin()
+        measures = self._metrics is not None or self._unwritten is not None
         for i, (batch, last_batch) in enumerate(agreed_batches(loader, length, h.device)):
             if clock:
                 clock.lap("data")
@@ -373,7 +383,7 @@ class Trainer:
             state.epoch_loss.add(loss)
             micro_batches += 1
             samples += n
-            if self._metrics:
+            if measures:
                 step_loss = step_loss + loss.detach()
                 if counts:
                     step_samples += n
@@ -388,14 +398,18 @@ class Trainer:
                 if outcome is not StepOutcome.COMMITTED:
                     return outcome
             self._optimizer_step(position_after(loader, micro_batches), loss)
-            if self._metrics:
+            if measures:
                 figures = (cast(torch.Tensor, step_loss) / (position + 1), step_samples,
                            step_tokens)
                 if self.live is not None:  # every group's, as DDP over their ranks says
                     figures = step_figures(self, *figures, micro_batches=position + 1)
-                self._metrics.step(self.global_step, self.epoch,
-                                   self.optimizer.param_groups[0]["lr"], figures[0],
-                                   h.last_grad_norm, figures[1], figures[2], h.last_comm)
+                lr = self.optimizer.param_groups[0]["lr"]
+                if self._metrics:
+                    self._metrics.step(self.global_step, self.epoch, lr, figures[0],
+                                       h.last_grad_norm, figures[1], figures[2], h.last_comm)
+                elif self._unwritten and self.live is not None:  # (see UnwrittenSteps)
+                    self._unwritten.step(lr, figures[0], h.last_grad_norm, figures[1],
+                                         figures[2], h.last_comm.bytes, self.live.everyone)
             self._checkpoint_step()
             if progress.wants_update():
                 rate = samples * h.data_ranks / (time.perf_counter() - start)
@@ -478,8 +492,9 @@ class Trainer:
         stepped = self.harness.step(self.optimizer, model=self.model,
                                     clip_grad_norm=c.clip_grad_norm,
                                     check_finite=c.nonfinite is not None,
-                                    measure_norm=self._metrics is not None and
-                                    self._metrics.wants_grad_norm(self.global_step + 1))
+                                    measure_norm=(self._metrics is not None
+                                                  or self._unwritten is not None) and
+                                    c.metrics.wants_grad_norm(self.global_step + 1))
         if clock:
             clock.lap("optimizer")
         if not stepped:
