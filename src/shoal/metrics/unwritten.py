@@ -14,12 +14,10 @@ replacement of the writing group writes those after the last step its file holds
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import torch
-
-    from shoal.training.state import TrainState
 
 WINDOWS = 20
 """At most this many windows of steps are kept (a group missing for long under
@@ -41,11 +39,20 @@ class StepFigures(NamedTuple):
     seconds: float
 
 
+class Counters(Protocol):
+    """Where the steps are kept, and the step and epoch just taken (a Trainer's
+    ``TrainState``)."""
+
+    global_step: int
+    epoch: int
+    unwritten: list[tuple]
+
+
 class UnwrittenSteps:
     """Keeps a live group's figures of each step in ``state.unwritten`` (this group does
     not write them) until the window they are in has been written."""
 
-    def __init__(self, state: TrainState, every: int):
+    def __init__(self, state: Counters, every: int):
         self.state, self.every = state, every
         self._at = time.perf_counter()
 
