@@ -21,7 +21,8 @@ writes its step to OUT/step.g<group> and sleeps S seconds (the test acts on a jo
 way). ``--quorum-every S``, ``--share F``: the Trainer's own ``fault_tolerance.
 quorum_every_s``, ``compression_state_share``. Beside
 the final state, OUT/figures.g<group>.r<rank>.json holds the last epoch's train_loss, the
-validation figures after the last step and how many quorums the process asked the
+validation figures after the last step, whether its group wrote the checkpoints at the end
+and how many quorums the process asked the
 lighthouse for.
 """
 
@@ -176,6 +177,7 @@ class Augmented(torch.utils.data.Dataset):
 result = trainer.fit(Augmented(build_data()[0]) if args.augment else build_data()[0])
 (out / f"figures.g{group}.r{rank}.json").write_text(json.dumps(
     {"quorums": trainer.live.quorums if trainer.live else None,
+     "saves": trainer.live.saves if trainer.live else None,  # it wrote the checkpoints last
      "train_loss": result.get("train_loss"),  # none when it healed at the last step
      "validation": trainer.validate(build_data()[1])}))
 torch.save({**full_state(trainer), "step": trainer.global_step},

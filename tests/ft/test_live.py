@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shoal.checkpoint import CheckpointStore
 from shoal.examples.digits import build_data, build_model
 from tests.ft.runs import TIMEOUT, figures, final, pids, start_piped, step_metrics
 from tests.helpers import states_equal
@@ -138,6 +139,8 @@ def test_without_failures_the_groups_ask_the_lighthouse_once(tmp_path, ddp_run):
                                 job=("--quorum-every", "3600",
                                      "--metrics", str(tmp_path / "metrics"))))
     assert [figures(live, group)["quorums"] for group in (0, 1)] == [1, 1], output[-4000:]
+    # Group 0 comes first in the quorum: it would write the checkpoints, group 1 not.
+    assert [figures(live, group)["saves"] for group in (0, 1)] == [True, False]
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
     for figure in ("validation", "train_loss"):
@@ -183,6 +186,22 @@ def test_available_goes_on_without_the_killed_group(tmp_path, ddp_run):
     assert states_equal(finals[0]["model"], finals[1]["model"])  # one model again
     ours, reference = _val_loss(finals[0]["model"]), _val_loss(final(ddp_run(), 0)["model"])
     assert abs(ours - reference) <= AVAILABLE_TOLERANCE * reference
+
+
+def test_available_checkpoints_go_on_while_group_0_is_missing(tmp_path):
+    """Policy 'available', group 0 (which writes the checkpoints while it takes part)
+    SIGKILLed with no restart left: group 1 goes on alone and writes them from then on,
+    the last one at the run's last step, holding group 1's final model. (Before, no
+    checkpoint was written after group 0 was lost.)"""
+    live, folder = tmp_path / "live", tmp_path / "ckpt"
+    output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "0",
+                                "--ft-policy", "available",
+                                job=("--kill", "0:6", "--checkpoints", str(folder))))
+    assert "replica group 0 failed for good" in output, output[-4000:]
+    store = CheckpointStore(folder, keep_last=1)
+    shared, _, meta = store.load(store.latest())
+    assert meta["global_step"] == STEPS == final(live, 1)["step"]
+    assert states_equal(shared["model"], final(live, 1)["model"])
 
 
 def test_exact_without_a_replacement_falls_back_to_restart(tmp_path, ddp_run):

@@ -141,6 +141,7 @@ class Replica:
         step = timedelta(seconds=c.step_timeout_s)
         self._healed = False
         self._participants = 0  # groups in the last quorum
+        self._leads = False  # this group comes first in it
         self._load = load
         exact = c.policy == "exact"
         self._manager = Manager(
@@ -187,6 +188,7 @@ class Replica:
         # Read once a quorum: the manager's own reader waits on the quorum's future under a
         # profiler range each time.
         self._participants = self._manager.num_participants()
+        self._leads = self._manager.participating_rank() == 0
         return Quorum(participants=self._participants, healed=self._healed)
 
     def again(self) -> Quorum:
@@ -209,6 +211,12 @@ class Replica:
     def participants(self) -> int:
         """Replica groups taking part in the step under way (its quorum's)."""
         return self._participants
+
+    @property
+    def leads(self) -> bool:
+        """This group comes first of the groups in the last quorum (group 0 where it takes
+        part: the quorum orders them by name)."""
+        return self._leads
 
     @property
     def alone(self) -> bool:

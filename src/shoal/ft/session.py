@@ -69,7 +69,7 @@ class LiveSession:
         self.place = place
         self.talks = group_rank == 0  # one line per group, not per rank
         self.writes = place.group == 0
-        """This group writes the job's checkpoints and metrics (the others hold the same)."""
+        """This group writes the job's metrics (the others hold the same; see ``saves``)."""
         self.skipped_samples = 0
         """Samples of missing groups skipped (policy 'available'), over the whole run."""
         self.healed: list[dict] = []
@@ -412,6 +412,13 @@ class LiveSession:
         selections: not from the gradients)."""
         return bool(self.rounds.replay) or (
             self._logged and not isinstance(self._across, TopKAcrossGroups))
+
+    @property
+    def saves(self) -> bool:
+        """This group writes the job's checkpoints now: it comes first of the groups in the
+        last quorum (group 0 where it takes part; under 'available', while group 0 is
+        missing, the next one)."""
+        return self.replica.leads
 
     @property
     def everyone(self) -> bool:

@@ -194,6 +194,13 @@ class Trainer:
         return self.harness.is_main and (self.live is None or self.live.writes)
 
     @property
+    def _saves(self) -> bool:
+        """This process's group writes the checkpoints now: in a live job, the first group
+        in the last quorum (group 0 where it takes part; under 'available', while group 0
+        is missing, the next: checkpoints go on). The others hold the same state."""
+        return self.live is None or self.live.saves
+
+    @property
     def state_model(self) -> nn.Module:
         """What model state is read from and loaded into (a wrapper, or a stage)."""
         return self.model.stage if isinstance(self.model, PipelineModel) else self.model
@@ -236,14 +243,13 @@ class Trainer:
         if epochs is None and max_steps is None:
             epochs = 1
         self.live = open_live(self)  # before the loader: it splits data over the groups
-        writes = self.live is None or self.live.writes  # one live group writes for all
-        if not writes:
-            self.checkpointing = None
+        # One live group writes the metrics for all (group 0), and one the checkpoints: the
+        # first in the step's quorum (group 0 where it takes part, see ``_saves``).
+        writes = self.live is None or self.live.writes
         loader = self._loader(train_data, evaluation=False)
         if self.live is not None:
             check_loader(loader)
         if c.resume:  # a path without checkpoint_dir is read, and nothing is written
-            # (A live group other than 0 reads the checkpoints group 0 writes.)
             directory = c.checkpoint_dir if c.resume == "auto" else str(Path(c.resume).parent)
             assert directory is not None  # the config requires checkpoint_dir for 'auto'
             reader = self.checkpointing or Checkpointing(self, directory, every=None,
@@ -254,7 +260,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         self._preemption = PreemptionWatch(
             self.harness.device, waiting=self.live.waiting if self.live is not None else None
-        ) if self.checkpointing else None
+        ) if self.checkpointing and writes else None
         h = self.harness
         self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size,
                                     self.flops_per_token, c.precision,
@@ -312,7 +318,7 @@ class Trainer:
             if self.live is not None:
                 self.live.close()
         if self.checkpointing:
-            if self.checkpointing.saved_step != self.global_step:
+            if self.checkpointing.saved_step != self.global_step and self._saves:
                 self.checkpointing.save()
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
         return result
@@ -509,7 +515,8 @@ class Trainer:
         of its steps are written first: a run killed after it loses none), and the stop a
         preemption signal asks for."""
         if self.checkpointing:
-            self.checkpointing.after_step()
+            if self._saves:
+                self.checkpointing.after_step()
             if self._preemption:
                 signum, save_now = self._preemption.poll(self.checkpointing.time_due())
                 if save_now and self.checkpointing.saved_step != self.global_step:
