@@ -188,20 +188,28 @@ def test_available_goes_on_without_the_killed_group(tmp_path, ddp_run):
     assert abs(ours - reference) <= AVAILABLE_TOLERANCE * reference
 
 
-def test_available_checkpoints_go_on_while_group_0_is_missing(tmp_path):
-    """Policy 'available', group 0 (which writes the checkpoints while it takes part)
-    SIGKILLed with no restart left: group 1 goes on alone and writes them from then on,
-    the last one at the run's last step, holding group 1's final model. (Before, no
-    checkpoint was written after group 0 was lost.)"""
-    live, folder = tmp_path / "live", tmp_path / "ckpt"
-    output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "0",
-                                "--ft-policy", "available",
-                                job=("--kill", "0:6", "--checkpoints", str(folder))))
-    assert "replica group 0 failed for good" in output, output[-4000:]
-    store = CheckpointStore(folder, keep_last=1)
-    shared, _, meta = store.load(store.latest())
-    assert meta["global_step"] == STEPS == final(live, 1)["step"]
-    assert states_equal(shared["model"], final(live, 1)["model"])
+def test_available_goes_on_writing_while_group_0_is_missing(tmp_path):
+    """Policy 'available', group 0 (which writes the checkpoints and metrics while it takes
+    part) SIGKILLed at step 6 with no restart left: group 1 goes on alone and writes both
+    from then on. With checkpoints (every step), its last one is at the run's last step and
+    holds its final model. With metrics in windows of 4, the window of steps 5 and 6 dies
+    with group 0: group 1 writes them as it kept them, then its own, every step once.
+    (Before, neither was written after group 0 was lost.)"""
+    flags = ("--replica-groups", "2", "--max-restarts", "0", "--ft-policy", "available")
+    folder = tmp_path / "ckpt"
+    written = tmp_path / "written"
+    with in_background(written, *flags,
+                       job=("--kill", "0:6", "--metrics", f"{written / 'metrics'}:4")) as run:
+        live = tmp_path / "live"
+        output = _finish(_shoal_run(live, *flags,
+                                    job=("--kill", "0:6", "--checkpoints", str(folder))))
+        assert "replica group 0 failed for good" in output, output[-4000:]
+        store = CheckpointStore(folder, keep_last=1)
+        shared, _, meta = store.load(store.latest())
+        assert meta["global_step"] == STEPS == final(live, 1)["step"]
+        assert states_equal(shared["model"], final(live, 1)["model"])
+        steps = step_metrics(run() / "metrics")
+        assert [step[0] for step in steps] == list(range(1, STEPS + 1))
 
 
 def test_exact_without_a_replacement_falls_back_to_restart(tmp_path, ddp_run):

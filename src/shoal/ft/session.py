@@ -69,7 +69,8 @@ class LiveSession:
         self.place = place
         self.talks = group_rank == 0  # one line per group, not per rank
         self.writes = place.group == 0
-        """This group writes the job's metrics (the others hold the same; see ``saves``)."""
+        """Group 0: it writes the job's metrics and checkpoints while it takes part (see
+        ``saves``), and reports the run's progress."""
         self.skipped_samples = 0
         """Samples of missing groups skipped (policy 'available'), over the whole run."""
         self.healed: list[dict] = []
@@ -415,9 +416,9 @@ class LiveSession:
 
     @property
     def saves(self) -> bool:
-        """This group writes the job's checkpoints now: it comes first of the groups in the
-        last quorum (group 0 where it takes part; under 'available', while group 0 is
-        missing, the next one)."""
+        """This group writes the job's checkpoints and metrics now: it comes first of the
+        groups in the last quorum (group 0 where it takes part; under 'available', while
+        group 0 is missing, the next one)."""
         return self.replica.leads
 
     @property

@@ -64,10 +64,20 @@ def state_bytes(state: object) -> int:
     return 0
 
 
+class Kept(tuple):
+    """Items that are never changed in place once made (a group's figures of its past
+    steps): ``copied`` keeps them as they are."""
+
+    __slots__ = ()
+
+
 def copied(state: Any) -> Any:
     """A deep copy of a (nested) state: its tensors cloned, its dicts, lists and tuples
-    made anew, anything else deep-copied (about 5 times as fast as ``copy.deepcopy``, whose
-    copy of a tensor is a slow path: a hand-over copies the group's state)."""
+    made anew (``Kept`` ones kept), anything else deep-copied (about 5 times as fast as
+    ``copy.deepcopy``, whose copy of a tensor is a slow path: a hand-over copies the
+    group's state)."""
+    if isinstance(state, Kept):
+        return state
     if isinstance(state, torch.Tensor):
         return state.detach().clone()
     if type(state) is dict:

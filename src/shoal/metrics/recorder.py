@@ -202,11 +202,11 @@ class StepMetrics:
             self.flush()
 
     def adopt(self, steps: list[tuple]) -> int | None:
-        """A live replacement of the writing group: record ``steps`` (``StepFigures``, as
-        another group kept them), those after what this run has recorded (its file says how
-        far the group it replaces wrote), each with the wall time that group measured and
-        no split of it. Returns the step before the first one recorded (None: none was).
-        Collective, as ``step``."""
+        """A live group that becomes the writer (or heals): record ``steps``
+        (``StepFigures``, as a group kept them), those after what this run has recorded
+        (its file says how far the writer before wrote), each with the wall time that group
+        measured and no split of it. Returns the step before the first one recorded (None:
+        none was). Collective, as ``step``."""
         written = max(self.last_step, self.writer.last_step() if self.writer else 0)
         taken = [f for f in map(StepFigures._make, steps) if f.step > written]
         for f in taken:

@@ -1,14 +1,16 @@
-"""What a live group that does not write the metrics keeps of its steps, so that a
-replacement of the group that writes them loses none.
+"""What each live group keeps of its steps, so that the group that writes the step metrics
+after another loses none of them.
 
-In a live job one group writes the step metrics (group 0) and keeps each window of steps in
-memory until its last step. A SIGKILL takes that window with it, and under policy
-'available' the other groups go on without it for a while. So each other group keeps its
-own figures of the steps (its losses and samples are the job's, the same as the writer's,
-see ``shoal.training.live.step_figures``) until a window ends with every group in its last
-step, and sends them with its state when it heals a group (``TrainState.unwritten``). The
-replacement of the writing group writes those after the last step its file holds
-(``StepMetrics.adopt``), with the wall time the other group measured and no split of it.
+In a live job the first group of the quorum writes the step metrics (group 0 where it
+takes part) and keeps each window of steps in memory until its last step. A SIGKILL takes
+that window with it, and under policy 'available' the other groups go on without it for a
+while (and the next group writes). So every group keeps its own figures of the steps (its
+losses and samples are the job's, the same as the writer's, see
+``shoal.training.live.step_figures``) until a window ends with every group in its last
+step, and sends them with its state when it heals a group (``TrainState.unwritten``). A
+group that becomes the writer writes those after the last step its file holds
+(``StepMetrics.adopt``), with the wall time the group that kept them measured and no
+split of it.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class Counters(Protocol):
 
 
 class UnwrittenSteps:
-    """Keeps a live group's figures of each step in ``state.unwritten`` (this group does
-    not write them) until the window they are in has been written."""
+    """Keeps a live group's figures of each step in ``state.unwritten`` until the window
+    they are in has been written."""
 
     def __init__(self, state: Counters, every: int):
         self.state, self.every = state, every

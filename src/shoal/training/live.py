@@ -101,23 +101,32 @@ def begin_step(t: Trainer) -> StepOutcome:
     else:  # the step's losses go with its average (a step done again drops them)
         t.state.epoch_loss.mark()
         outcome = live.begin_step()
-    healed = outcome is StepOutcome.HEALED
-    if t._metrics is not None and (healed or not t._metrics.announced):
-        _write_from(t, healed)
+    if t._unwritten is not None:  # the step metrics are on
+        _metrics_writer(t, healed=outcome is StepOutcome.HEALED)
     if outcome is StepOutcome.GO:
         seed_step(t)
     return outcome
 
 
-def _write_from(t: Trainer, healed: bool) -> None:
-    """The writing group, after a quorum: where a heal took it, the steps the group it healed
-    from kept that this run has not written (``shoal.metrics.unwritten``), and the mark of
-    this start at the step before the first one it writes (the dashboard forgets what was
-    written after it)."""
-    metrics, state = t._metrics, t.state
-    before = metrics.adopt(state.unwritten) if healed else None
-    state.unwritten = []
-    metrics.started(state.global_step if before is None else before)
+def _metrics_writer(t: Trainer, healed: bool) -> None:
+    """After a quorum: the step metrics are written by the first group in it, as the
+    checkpoints are (group 0 where it takes part, ``LiveSession.saves``). A group that
+    becomes the writer (a replacement of group 0, or the next group while group 0 is
+    missing under 'available'), and the writer after a heal, writes the steps it holds
+    (``shoal.metrics.unwritten``) that the file does not, and marks its start at the step
+    before the first (the dashboard forgets what was written after it: done again). A
+    group that stops writing drops its window: the new writer has those steps."""
+    live, state = t.live, t.state
+    if not live.saves:
+        if t._metrics is not None:
+            t.close_metrics()
+        return
+    if t._metrics is None:
+        t._metrics = t.open_metrics()
+    elif not healed and t._metrics.announced:
+        return
+    before = t._metrics.adopt(state.unwritten)
+    t._metrics.started(state.global_step if before is None else before)
 
 
 def before_backward(t: Trainer, loss: torch.Tensor) -> None:

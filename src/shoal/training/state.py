@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from shoal.checkpoint import rng
 from shoal.ft.across import AcrossGroups
+from shoal.ft.step import Kept
 from shoal.parallel.zero import (
     gather_optimizer_state,
     is_zero,
@@ -74,10 +75,9 @@ class TrainState:
         self.epoch_loss = EpochLoss(harness.device)
         """The epoch's running loss sums, since it began."""
         self.unwritten: list[tuple] = []
-        """A live group that does not write the metrics: this rank's figures of the steps
-        whose window the writing group may not have written yet
-        (``shoal.metrics.recorder.StepFigures``), which a replacement of that group writes
-        (see ``shoal.training.live.keep_figures``). A heal's, not a checkpoint's."""
+        """A live job's: this rank's figures of the steps whose window the group that
+        writes the metrics may not have written yet (``shoal.metrics.unwritten``), which
+        the next group to write them writes. A heal's, not a checkpoint's."""
 
     @property
     def periodic(self) -> bool:
@@ -119,7 +119,7 @@ class TrainState:
                     "epoch_loss": [*self.epoch_loss.totals(h.world_size),
                                    per_step(h.world_size, groups, self.accumulate)]}
         state["epoch_loss"] = self.epoch_loss.state()
-        state["unwritten"] = list(self.unwritten)
+        state["unwritten"] = Kept(self.unwritten)  # (a hand-over's copy keeps it as is)
         if self.periodic:  # the replica's outer state (the groups' is the same)
             state["comm"] = h.comm.state_dict()
         # DDP's buckets: cut for good here, or about to be (a replacement cuts its own

@@ -261,21 +261,12 @@ class Trainer:
         self._preemption = PreemptionWatch(
             self.harness.device, waiting=self.live.waiting if self.live is not None else None
         ) if self.checkpointing and writes else None
-        h = self.harness
-        self._metrics = StepMetrics(c.metrics, h.device, h.rank, h.world_size,
-                                    self.flops_per_token, c.precision,
-                                    start_step=self.global_step,
-                                    resumed=bool(c.resume) and self.global_step > 0,
-                                    params=self.run_config or {"trainer": c.model_dump(
-                                        mode="json")},
-                                    tracking=self.tracking,
-                                    # live: from the step the first quorum says
-                                    announce=self.live is None) \
+        # (live: marked from the step the first quorum says, see training.live)
+        self._metrics = self.open_metrics(self.global_step, resumed=bool(c.resume) and
+                                          self.global_step > 0) \
             if c.metrics.enabled and writes else None
         self._unwritten = UnwrittenSteps(self.state, c.metrics.every) \
-            if c.metrics.enabled and not writes else None
-        if self.checkpointing and self._metrics:
-            self.checkpointing.before_save = self._metrics.sync
+            if c.metrics.enabled and self.live is not None else None
         try:
             if self._preemption:
                 self._preemption.start()
@@ -323,6 +314,31 @@ class Trainer:
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
         return result
 
+    def open_metrics(self, start_step: int = 0, resumed: bool = False) -> StepMetrics:
+        """This process's step metrics, from ``start_step`` (marked at once, but in a live
+        job: ``StepMetrics.started``). A live group that takes over from group 0 (see
+        ``shoal.training.live``) logs to no MLflow run: group 0's stays open, to be
+        continued by it."""
+        c, h = self.config, self.harness
+        taking_over = self.live is not None and not self.live.writes
+        metrics = StepMetrics(c.metrics.model_copy(update={"mlflow": None}) if taking_over
+                              else c.metrics, h.device, h.rank, h.world_size,
+                              self.flops_per_token, c.precision, start_step=start_step,
+                              resumed=resumed,
+                              params=self.run_config or {"trainer": c.model_dump(mode="json")},
+                              tracking=self.tracking, announce=self.live is None)
+        if self.checkpointing:
+            self.checkpointing.before_save = metrics.sync
+        return metrics
+
+    def close_metrics(self) -> None:
+        """Stop recording (a live group that another takes over from)."""
+        if self._metrics is not None:
+            self._metrics.close()
+        self._metrics = None
+        if self.checkpointing:
+            self.checkpointing.before_save = None
+
     def _finished(self, epochs: int | None, max_steps: int | None,
                   epoch: int | None = None) -> bool:
         epoch = self.epoch if epoch is None else epoch
@@ -359,13 +375,14 @@ class Trainer:
         stopped = False
         # A dp rank's tp and pp ranks read the same batch: one of them counts it.
         counts = h.tp_rank == 0 and h.pp_rank == 0
-        clock = self._metrics.clock if self._metrics else None
-        if clock:
-            clock.begin()
+        if self._metrics:
+            self._metrics.clock.begin()
         if self._unwritten:
             self._unwritten.begin()
         measures = self._metrics is not None or self._unwritten is not None
         for i, (batch, last_batch) in enumerate(agreed_batches(loader, length, h.device)):
+            # (read each time: in a live job another group's may take over, or this one's)
+            clock = self._metrics.clock if self._metrics else None
             if clock:
                 clock.lap("data")
             position = i % k
@@ -413,7 +430,7 @@ class Trainer:
                 if self._metrics:
                     self._metrics.step(self.global_step, self.epoch, lr, figures[0],
                                        h.last_grad_norm, figures[1], figures[2], h.last_comm)
-                elif self._unwritten and self.live is not None:  # (see UnwrittenSteps)
+                if self._unwritten and self.live is not None:  # (see UnwrittenSteps)
                     self._unwritten.step(lr, figures[0], h.last_grad_norm, figures[1],
                                          figures[2], h.last_comm.bytes, self.live.everyone)
             self._checkpoint_step()
