@@ -60,8 +60,7 @@ def open_live(trainer: Trainer) -> LiveSession | None:
     h.replica_groups = (place.groups, place.group)
 
     def record(step: int, **fields: Any) -> None:  # a change of who takes part, in metrics
-        if trainer._metrics is not None:
-            trainer._metrics.record("event", step, **fields)
+        trainer.recording.record("event", step, **fields)
 
     if trainer.state.periodic:
         periodic = PeriodicSession(place, h.rank, h.world_size, trainer.state, record=record)
@@ -101,7 +100,7 @@ def begin_step(t: Trainer) -> StepOutcome:
     else:  # the step's losses go with its average (a step done again drops them)
         t.state.epoch_loss.mark()
         outcome = live.begin_step()
-    if t._unwritten is not None:  # the step metrics are on
+    if t.recording.unwritten is not None:  # the step metrics are on
         _metrics_writer(t, healed=outcome is StepOutcome.HEALED)
     if outcome is StepOutcome.GO:
         seed_step(t)
@@ -116,17 +115,18 @@ def _metrics_writer(t: Trainer, healed: bool) -> None:
     (``shoal.metrics.unwritten``) that the file does not, and marks its start at the step
     before the first (the dashboard forgets what was written after it: done again). A
     group that stops writing drops its window: the new writer has those steps."""
-    live, state = t.live, t.state
+    live, state, recording = t.live, t.state, t.recording
+    metrics = recording.metrics
     if not live.saves:
-        if t._metrics is not None:
-            t.close_metrics()
+        if metrics is not None:
+            recording.close_metrics()
         return
-    if t._metrics is None:
-        t._metrics = t.open_metrics()
-    elif not healed and t._metrics.announced:
+    if metrics is None:
+        metrics = recording.open_metrics()
+    elif not healed and metrics.announced:
         return
-    before = t._metrics.adopt(state.unwritten)
-    t._metrics.started(state.global_step if before is None else before)
+    before = metrics.adopt(state.unwritten)
+    metrics.started(state.global_step if before is None else before)
 
 
 def before_backward(t: Trainer, loss: torch.Tensor) -> None:

@@ -24,8 +24,6 @@ from shoal.data.sharding import (
 from shoal.errors import NonFiniteError, UsageError
 from shoal.ft import ReplicaPlace
 from shoal.ft.step import StepOutcome
-from shoal.metrics.recorder import StepMetrics
-from shoal.metrics.unwritten import UnwrittenSteps
 from shoal.parallel.pipeline_parallel import PipelineModel
 
 # layers: up to remote/, which imports nothing of training: a RemoteModule stays whole
@@ -55,11 +53,11 @@ from shoal.training.live import (
     end_step,
     open_live,
     settle,
-    step_figures,
 )
 from shoal.training.preemption import Preempted, PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
+from shoal.training.recording import Recording
 from shoal.training.state import TrainState
 
 if TYPE_CHECKING:
@@ -154,9 +152,8 @@ class Trainer:
         self.live: LiveSession | None = None  # the live session while fit runs in a live job
         self.history: list[dict[str, float]] = []
         self._preemption: PreemptionWatch | None = None
-        self._metrics: StepMetrics | None = None
-        # A live group that does not write the metrics: its figures until they are written.
-        self._unwritten: UnwrittenSteps | None = None
+        self.recording = Recording(self)
+        """The step metrics while fit runs."""
         self.run_config: dict | None = None  # the resolved run config, kept in checkpoints
         # The MLflow run's id, kept in checkpoints: a resumed run logs into the same run.
         self.tracking: dict[str, str] = {}
@@ -262,11 +259,7 @@ class Trainer:
             self.harness.device, waiting=self.live.waiting if self.live is not None else None
         ) if self.checkpointing and writes else None
         # (live: marked from the step the first quorum says, see training.live)
-        self._metrics = self.open_metrics(self.global_step, resumed=bool(c.resume) and
-                                          self.global_step > 0) \
-            if c.metrics.enabled and writes else None
-        self._unwritten = UnwrittenSteps(self.state, c.metrics.every) \
-            if c.metrics.enabled and self.live is not None else None
+        self.recording.open(writes, resumed=bool(c.resume) and self.global_step > 0)
         try:
             if self._preemption:
                 self._preemption.start()
@@ -285,10 +278,9 @@ class Trainer:
                 metrics = {"epoch": self.epoch, **train}
                 if val_data is not None:
                     metrics.update(self.validate(val_data))
-                    if self._metrics:
-                        self._metrics.record("validation", self.global_step, epoch=self.epoch,
-                                             **{k: v for k, v in metrics.items()
-                                                if k.startswith("val_")})
+                    self.recording.record("validation", self.global_step, epoch=self.epoch,
+                                          **{k: v for k, v in metrics.items()
+                                             if k.startswith("val_")})
                 self.history.append(metrics)
                 self._report_epoch(metrics, progress)
                 if not epoch_done:  # stopped by max_steps inside the epoch
@@ -297,15 +289,12 @@ class Trainer:
             if self.live is not None:
                 self.live.finish()
             result = {**metrics, "global_step": self.global_step}
-            if self._metrics:
-                self._metrics.finish(show_summary=c.progress, result=result)
-                self._metrics.record("event", self.global_step, kind="end")
+            self.recording.finish(result, show_summary=c.progress)
         finally:
             progress.close()
             if self._preemption:
                 self._preemption.stop()
-            if self._metrics:
-                self._metrics.close()
+            self.recording.close()
             if self.live is not None:
                 self.live.close()
         if self.checkpointing:
@@ -313,31 +302,6 @@ class Trainer:
                 self.checkpointing.save()
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
         return result
-
-    def open_metrics(self, start_step: int = 0, resumed: bool = False) -> StepMetrics:
-        """This process's step metrics, from ``start_step`` (marked at once, but in a live
-        job: ``StepMetrics.started``). A live group that takes over from group 0 (see
-        ``shoal.training.live``) logs to no MLflow run: group 0's stays open, to be
-        continued by it."""
-        c, h = self.config, self.harness
-        taking_over = self.live is not None and not self.live.writes
-        metrics = StepMetrics(c.metrics.model_copy(update={"mlflow": None}) if taking_over
-                              else c.metrics, h.device, h.rank, h.world_size,
-                              self.flops_per_token, c.precision, start_step=start_step,
-                              resumed=resumed,
-                              params=self.run_config or {"trainer": c.model_dump(mode="json")},
-                              tracking=self.tracking, announce=self.live is None)
-        if self.checkpointing:
-            self.checkpointing.before_save = metrics.sync
-        return metrics
-
-    def close_metrics(self) -> None:
-        """Stop recording (a live group that another takes over from)."""
-        if self._metrics is not None:
-            self._metrics.close()
-        self._metrics = None
-        if self.checkpointing:
-            self.checkpointing.before_save = None
 
     def _finished(self, epochs: int | None, max_steps: int | None,
                   epoch: int | None = None) -> bool:
@@ -368,21 +332,17 @@ class Trainer:
             first = 0
         length = agreed_length(loader, h.device)
         micro_batches = samples = 0
-        step_loss: torch.Tensor | int  # a tensor once the window's first loss is added
         traffic = h.traffic
         before = (traffic.steps, traffic.total_bytes, traffic.total_wait)
         start = time.perf_counter()
         stopped = False
         # A dp rank's tp and pp ranks read the same batch: one of them counts it.
         counts = h.tp_rank == 0 and h.pp_rank == 0
-        if self._metrics:
-            self._metrics.clock.begin()
-        if self._unwritten:
-            self._unwritten.begin()
-        measures = self._metrics is not None or self._unwritten is not None
+        recording = self.recording
+        recording.begin_epoch()
         for i, (batch, last_batch) in enumerate(agreed_batches(loader, length, h.device)):
             # (read each time: in a live job another group's may take over, or this one's)
-            clock = self._metrics.clock if self._metrics else None
+            clock = recording.clock
             if clock:
                 clock.lap("data")
             position = i % k
@@ -391,7 +351,7 @@ class Trainer:
             step_now = position == window - 1 or last_batch
             if position == 0:  # the window's global sample count, once per window
                 window_samples = samples_between(loader, i, i + window)
-                step_loss, step_samples, step_tokens = 0, 0, 0
+                recording.begin_window()
                 if self.live is not None:  # meet the other replica groups (may heal)
                     outcome = begin_step(self)
                     if outcome is not StepOutcome.GO:
@@ -406,11 +366,8 @@ class Trainer:
             state.epoch_loss.add(loss)
             micro_batches += 1
             samples += n
-            if measures:
-                step_loss = step_loss + loss.detach()
-                if counts:
-                    step_samples += n
-                    step_tokens += tokens_in(batch)
+            if recording.on:
+                recording.add(loss, n if counts else 0, tokens_in(batch) if counts else 0)
             if not step_now:
                 continue
             if length is None and position + 1 < k:
@@ -421,18 +378,8 @@ class Trainer:
                 if outcome is not StepOutcome.COMMITTED:
                     return outcome
             self._optimizer_step(position_after(loader, micro_batches), loss)
-            if measures:
-                figures = (cast(torch.Tensor, step_loss) / (position + 1), step_samples,
-                           step_tokens)
-                if self.live is not None:  # every group's, as DDP over their ranks says
-                    figures = step_figures(self, *figures, micro_batches=position + 1)
-                lr = self.optimizer.param_groups[0]["lr"]
-                if self._metrics:
-                    self._metrics.step(self.global_step, self.epoch, lr, figures[0],
-                                       h.last_grad_norm, figures[1], figures[2], h.last_comm)
-                if self._unwritten and self.live is not None:  # (see UnwrittenSteps)
-                    self._unwritten.step(lr, figures[0], h.last_grad_norm, figures[1],
-                                         figures[2], h.last_comm.bytes, self.live.everyone)
+            if recording.on:
+                recording.step(micro_batches=position + 1)
             self._checkpoint_step()
             if progress.wants_update():
                 rate = samples * h.data_ranks / (time.perf_counter() - start)
@@ -509,14 +456,13 @@ class Trainer:
     def _optimizer_step(self, position: int | None, loss: torch.Tensor | None = None) -> None:
         """The step; the data position is then ``position``."""
         c = self.config
-        clock = self._metrics.clock if self._metrics else None
+        clock = self.recording.clock
         if clock:
             clock.skip()
         stepped = self.harness.step(self.optimizer, model=self.model,
                                     clip_grad_norm=c.clip_grad_norm,
                                     check_finite=c.nonfinite is not None,
-                                    measure_norm=(self._metrics is not None
-                                                  or self._unwritten is not None) and
+                                    measure_norm=self.recording.on and
                                     c.metrics.wants_grad_norm(self.global_step + 1))
         if clock:
             clock.lap("optimizer")
@@ -540,8 +486,8 @@ class Trainer:
                     self.checkpointing.save()
                 if signum:
                     self._stop_for(signum)
-            if self._metrics:
-                self._metrics.clock.skip()  # a save's time is the next step's 'other'
+            if self.recording.clock:
+                self.recording.clock.skip()  # a save's time is the next step's 'other'
 
     def _stop_for(self, signum: int) -> NoReturn:
         """Every rank is here at the same step: save, then exit with 128 + signal."""
@@ -549,8 +495,8 @@ class Trainer:
         if self.checkpointing.saved_step != self.global_step:
             self.checkpointing.save()
         self.checkpointing.store.wait()
-        if self._metrics:  # the end-of-run table of this part of the run, in MLflow too
-            self._metrics.finish(show_summary=False)
+        # the end-of-run table of this part of the run, in MLflow too
+        self.recording.finish(show_summary=False)
         name = signal.Signals(signum).name
         if self.harness.is_main:
             print(f"shoal: preempted by {name} at step {self.global_step}: checkpoint saved "
