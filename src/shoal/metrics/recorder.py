@@ -206,8 +206,12 @@ class StepMetrics:
         (``StepFigures``, as a group kept them), those after what this run has recorded
         (its file says how far the writer before wrote), each with the wall time that group
         measured and no split of it. Returns the step before the first one recorded (None:
-        none was). Collective, as ``step``."""
-        written = max(self.last_step, self.writer.last_step() if self.writer else 0)
+        none was). Collective, as ``step``: every rank takes the steps rank 0's file says."""
+        in_file = torch.tensor([self.writer.last_step() if self.writer else 0],
+                               device=self.device)
+        if self.world > 1:
+            torch.distributed.broadcast(in_file, 0)
+        written = max(self.last_step, int(in_file.item()))
         taken = [f for f in map(StepFigures._make, steps) if f.step > written]
         for f in taken:
             self.clock.unmeasured(f.seconds)
@@ -264,7 +268,7 @@ class StepMetrics:
             row = {f: column[f][r][measured].mean().item() for f in (*PHASES, "step")}
             row.update({f: resources[r, i].item() for i, f in enumerate(RESOURCE_FIELDS)})
             ranks.append(row)
-        self._accumulate(column, resources)
+        self._accumulate(column, resources, measured)
         first, last = self._steps[0][0], self._steps[-1][0]
         straggler = find_straggler(ranks, self.config.straggler_threshold) \
             if measured.any() else None
@@ -322,11 +326,11 @@ class StepMetrics:
         if self.mlflow is not None:
             self.mlflow.log_metrics(step, values)
 
-    def _accumulate(self, column: dict[str, torch.Tensor], resources: torch.Tensor) -> None:
+    def _accumulate(self, column: dict[str, torch.Tensor], resources: torch.Tensor,
+                    measured: torch.Tensor) -> None:
         if self.totals is None:
             self.totals = [dict.fromkeys((*PHASES, "step", *RESOURCE_FIELDS), 0.0)
                            for _ in range(self.world)]
-        measured = ~column["data"][0].isnan()  # (see _report)
         n = int(measured.sum())
         for r, totals in enumerate(self.totals):
             for p in (*PHASES, "step"):

@@ -69,7 +69,8 @@ class Recording:
         return self.metrics
 
     def close_metrics(self) -> None:
-        """Stop writing (also a live group that another takes over from)."""
+        """Stop writing (at the end of ``fit``, or a live group that another takes over
+        from)."""
         if self.metrics is not None:
             self.metrics.close()
         self.metrics = None
@@ -121,8 +122,3 @@ class Recording:
         self.metrics.finish(show_summary=show_summary, result=result)
         if result is not None:
             self.metrics.record("event", self.trainer.global_step, kind="end")
-
-    def close(self) -> None:
-        """Not collective (also on the way out of an error)."""
-        if self.metrics is not None:
-            self.metrics.close()

@@ -294,7 +294,7 @@ class Trainer:
             progress.close()
             if self._preemption:
                 self._preemption.stop()
-            self.recording.close()
+            self.recording.close_metrics()
             if self.live is not None:
                 self.live.close()
         if self.checkpointing:
