@@ -58,7 +58,8 @@ parser.add_argument("--kill", action="append", default=[])
 parser.add_argument("--pace", default=None)
 parser.add_argument("--metrics", default=None,
                     help="write step metrics to this directory (a window every EVERY steps)")
-parser.add_argument("--checkpoints", default=None, help="checkpoint every step, resume: auto")
+parser.add_argument("--checkpoints", default=None,
+                    help="checkpoint every step (each one kept), resume: auto")
 parser.add_argument("--hold", type=int, default=None,
                     help="after this step group 0 writes OUT/held and waits for OUT/go")
 parser.add_argument("--step-sleep", type=float, default=None)
@@ -95,7 +96,8 @@ trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), b
                         metrics=dict(zip(("dir", "every"), args.metrics.split(":"), strict=False))
                         if args.metrics else {"enabled": False},
                         **({"checkpoint_dir": args.checkpoints, "checkpoint_every": 1,
-                            "resume": "auto"} if args.checkpoints else {}))
+                            "keep_last": args.steps, "resume": "auto"}
+                           if args.checkpoints else {}))
 for spec in args.kill:
     g, step, *sig = spec.split(":")
     if int(g) == group and rank == (int(sig[1]) if len(sig) > 1 else 0):

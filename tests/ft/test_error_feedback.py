@@ -1,8 +1,8 @@
 """Live mode, policy 'exact', under the compressions whose error feedback each rank keeps
 for itself (powersgd, topk): 2 groups of 1 process, a hand-over of the compression state
 every 10 steps (the default, with no bound on the hand-overs' share of the run: exactly
-then), a group SIGKILLed three steps after one (under topk group 0, which writes the step
-metrics). Each run is compared
+then), group 0 (which writes the step metrics and the checkpoints) SIGKILLed three steps
+after one. Each run is compared
 with the same live run without failures under policy 'available', started beside it (the
 policies differ only when a group is missing: this also tests that 'available' runs with
 these compressions, and that the groups end as one model)."""
@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.checkpoint import CheckpointStore
+from shoal.checkpoint.layout import COMMIT
 from tests.ft.runs import Runs, final, pids, replaced_once, same_end, step_metrics
+from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.timeout(300)
@@ -19,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 16
 COMPRESSIONS = {"topk": "topk",  # from the first step
                 "powersgd": '{"name":"powersgd","warmup_steps":2}'}  # from step 3
-KILLED = {"topk": 0, "powersgd": 1}  # the group SIGKILLed (group 0 writes the metrics)
+KILLED = {"topk": 0, "powersgd": 0}  # group 0 writes the metrics and the checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +40,18 @@ def test_replacement_redoes_its_steps_since_the_hand_over(runs, compression):
     Under topk the group killed is group 0, which writes the step metrics in windows of 8:
     the one of steps 9 to 16 dies with it, and its replacement writes steps 9 and 10 as the
     survivor kept them (with its hand-over), then its own: every step's figures are those
-    of the run without failures."""
+    of the run without failures. Under powersgd it writes a checkpoint every step: those of
+    the steps it redoes are complete already, and are not written again."""
     killed = KILLED[compression]
     job = f"--compression {COMPRESSIONS[compression]} --share 1"
     metrics = f" --metrics {runs.root}/{{}}/metrics:8" if compression == "topk" else ""
     runs.start(f"whole-{compression}", "--replica-groups", "2", "--ft-policy", "available",
                job=job + metrics.format(f"whole-{compression}"))
+    checkpoints = (f" --checkpoints {runs.root}/killed-powersgd/ckpt"
+                   if compression == "powersgd" else "")
     runs.start(f"killed-{compression}", "--replica-groups", "2", "--max-restarts", "1",
-               job=f"{job} --kill {killed}:13" + metrics.format(f"killed-{compression}"))
+               job=f"{job} --kill {killed}:13" + metrics.format(f"killed-{compression}")
+               + checkpoints)
     live, output = runs.wait(f"killed-{compression}")
     assert pids(live) == replaced_once(killed), output[-6000:]
     assert f"replica group {killed}: healed from a live group at step 10" in output, \
@@ -58,6 +65,13 @@ def test_replacement_redoes_its_steps_since_the_hand_over(runs, compression):
     if metrics:
         steps = step_metrics(live / "metrics")
         assert len(steps) == STEPS and steps == step_metrics(reference / "metrics")
+    if checkpoints:  # each written once: steps 1 to 13 before the kill, 14 to 16 after
+        store = CheckpointStore(live / "ckpt", keep_last=STEPS)
+        kill = (live / f"killed.{killed}:13").stat().st_mtime
+        written = [(store.path_for(step) / COMMIT).stat().st_mtime <= kill  # (coarse clock)
+                   for step in range(1, STEPS + 1)]
+        assert written == [True] * 13 + [False] * 3
+        assert states_equal(store.load(store.latest())[0]["model"], final(live)["model"])
 
 
 def test_a_group_whose_step_did_not_commit_catches_up_from_the_hand_over(runs):

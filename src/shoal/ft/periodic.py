@@ -59,6 +59,7 @@ class PeriodicSession(LiveSession):
             self._quorum = None
             self._attempt(blank().zero_(), abstain=True)
             self.replica.commit()  # (no: the others see this group's weight 0)
+            self.redone = True  # until the meeting: the others are there already
             self._say(f"redoes its steps since the last meeting (step {self._received_step}) "
                       "while the other groups wait")
             return StepOutcome.HEALED
@@ -107,7 +108,7 @@ class PeriodicSession(LiveSession):
                 self._say(f"the meeting at step {self.state.global_step} did not commit "
                           "(a replica group failed or is catching up): it is held again")
                 said = True
-        self._contributes = True
+        self._contributes, self.redone = True, False
         self.rounds.rows, self.round_due = rows, self._exact
         groups = self.place.groups
         if bringing < groups and not start:

@@ -75,6 +75,9 @@ class LiveSession:
         """Samples of missing groups skipped (policy 'available'), over the whole run."""
         self.healed: list[dict] = []
         """Each heal of this group: step, bytes, seconds."""
+        self.redone = False
+        """The step that last committed was one this group had committed before, done again
+        bitwise ('exact': a replacement redoing its group's steps alone)."""
         self.state, self._record = state, record
         self._wire = wire  # the precision gradients are sent in across groups (fp16, bf16)
         self._quorum: Quorum | None = None  # the quorum of the step under way
@@ -236,7 +239,8 @@ class LiveSession:
         ``losses``: this rank's loss sum in the step and its micro-batches, whose sum with
         the other groups' travels with the average (``step_losses``; where ``averaged``,
         they went with the gradients: ``send_numbers``)."""
-        if self.rounds.replay:  # a logged step redone alone: the others' mean, as it was
+        self.redone = bool(self.rounds.replay)
+        if self.redone:  # a logged step redone alone: the others' mean, as it was
             mean, self.step_losses = self.rounds.replay.pop(0)
             if isinstance(mean, tuple):  # topk: every group's selection
                 like = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype)

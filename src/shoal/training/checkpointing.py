@@ -84,9 +84,24 @@ class Checkpointing:
         self._requested = self._requested or due
         return due
 
-    def after_step(self) -> None:
-        if self.every and self.trainer.state.global_step % self.every == 0:
-            self.save()
+    def after_step(self, redone: bool = False) -> None:
+        """A checkpoint when one is due. ``redone``: the step was done again, bitwise as it
+        was the first time (a live replacement redoing its group's steps under 'exact'):
+        its checkpoint is written only where the group before it did not complete one."""
+        step = self.trainer.state.global_step
+        if not (self.every and step % self.every == 0):
+            return
+        if redone and self._complete(step):
+            self.saved_step = step
+            return
+        self.save()
+
+    def _complete(self, step: int) -> bool:
+        """A complete checkpoint of ``step`` is there, as rank 0 sees it (collective)."""
+        found = [self.store.problem(self.store.path_for(step)) is None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(found, src=0)
+        return bool(found[0])
 
     def save(self) -> Path | None:
         t = self.trainer

@@ -479,7 +479,8 @@ class Trainer:
         preemption signal asks for."""
         if self.checkpointing:
             if self._saves:
-                self.checkpointing.after_step()
+                self.checkpointing.after_step(redone=self.live is not None
+                                              and self.live.redone)
             if self._preemption:
                 signum, save_now = self._preemption.poll(self.checkpointing.time_due())
                 if save_now and self.checkpointing.saved_step != self.global_step:
