@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from shoal.checkpoint import CheckpointStore
+from shoal.checkpoint.layout import COMMIT
 from tests import zygote
 from tests.helpers import FORKED_FIRST, popen_shoal, states_equal
 
@@ -93,6 +95,16 @@ def figures(out: Path, group: int = 0, rank: int = 0) -> dict:
 def pids(out: Path) -> list[str]:
     """The workers a run started: pid.g<group>.a<attempt>.r<rank>, sorted."""
     return sorted(p.name for p in out.glob("pid.*"))
+
+
+def written_before_the_kill(out: Path, kill: str, steps: int) -> list[bool]:
+    """For the checkpoints of steps 1 to ``steps`` of a run's ``--checkpoints OUT/ckpt``:
+    whether each was last written before ``--kill KILL`` (its marker's time; on a coarse
+    clock a checkpoint written just before it shows the same time)."""
+    store = CheckpointStore(out / "ckpt")
+    killed = (out / f"killed.{kill}").stat().st_mtime
+    return [(store.path_for(step) / COMMIT).stat().st_mtime <= killed
+            for step in range(1, steps + 1)]
 
 
 def step_metrics(folder: Path) -> list[tuple[int, float, float, float | None]]:

@@ -12,8 +12,15 @@ from __future__ import annotations
 import pytest
 
 from shoal.checkpoint import CheckpointStore
-from shoal.checkpoint.layout import COMMIT
-from tests.ft.runs import Runs, final, pids, replaced_once, same_end, step_metrics
+from tests.ft.runs import (
+    Runs,
+    final,
+    pids,
+    replaced_once,
+    same_end,
+    step_metrics,
+    written_before_the_kill,
+)
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
@@ -66,11 +73,8 @@ def test_replacement_redoes_its_steps_since_the_hand_over(runs, compression):
         steps = step_metrics(live / "metrics")
         assert len(steps) == STEPS and steps == step_metrics(reference / "metrics")
     if checkpoints:  # each written once: steps 1 to 13 before the kill, 14 to 16 after
-        store = CheckpointStore(live / "ckpt", keep_last=STEPS)
-        kill = (live / f"killed.{killed}:13").stat().st_mtime
-        written = [(store.path_for(step) / COMMIT).stat().st_mtime <= kill  # (coarse clock)
-                   for step in range(1, STEPS + 1)]
-        assert written == [True] * 13 + [False] * 3
+        assert written_before_the_kill(live, f"{killed}:13", STEPS) == [True] * 13 + [False] * 3
+        store = CheckpointStore(live / "ckpt")
         assert states_equal(store.load(store.latest())[0]["model"], final(live)["model"])
 
 

@@ -1,5 +1,5 @@
 """Live mode under the strategies whose groups train apart and meet every few steps
-(local_sgd, diloco): 2 groups of 1 process, a meeting every 4 steps, group 1 SIGKILLed in
+(local_sgd, diloco): 2 groups of 1 process, a meeting every 4 steps, a group SIGKILLed in
 the middle of a round. Each live run is compared with today's 2-process run of the same
 strategy without failures, started beside it."""
 
@@ -12,7 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from shoal.examples.digits import build_data, build_model
-from tests.ft.runs import REPLACED_ONCE, Runs, figures, final, pids, same_end
+from tests.ft.runs import (
+    REPLACED_ONCE,
+    Runs,
+    figures,
+    final,
+    pids,
+    replaced_once,
+    same_end,
+    written_before_the_kill,
+)
 from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
@@ -21,6 +30,8 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 24
 PERIOD = 4
 KILL = "1:9"  # in the forward pass of step 10: two steps into the round that began at 8
+# Under 'exact', the group killed so: group 0 writes the checkpoints (here every step).
+EXACT_KILLED = {"local_sgd": 0, "diloco": 1}
 SAMPLES = 16  # a group's samples in a step
 # Policy 'available' against the run without failures: the final validation loss within
 # this fraction (measured: 0.7 % with group 1's steps 9 to 16 skipped).
@@ -43,14 +54,21 @@ def test_exact_replacement_redoes_its_round_and_run_equals_restart_mode(runs, st
     """The survivor trains on to the next meeting and waits there, never restarted; the
     replacement heals from it: the state of the last meeting, with its own group's inner
     optimizer state (which that meeting gave every group), redoes its steps since, and
-    both end bitwise equal to today's 2-process run, model and optimizer."""
+    both end bitwise equal to today's 2-process run, model and optimizer. Under local_sgd
+    the group killed is group 0, which writes a checkpoint every step: its replacement
+    does not write again the one of step 9, which it redoes."""
     _reference(runs, strategy)
+    killed = EXACT_KILLED[strategy]
+    checkpoints = f" --checkpoints {runs.root}/exact-{strategy}/ckpt" if killed == 0 else ""
     runs.start(f"exact-{strategy}", "--replica-groups", "2", "--max-restarts", "1",
-               job=f"--strategy {strategy} --period {PERIOD} --kill {KILL}")
+               job=f"--strategy {strategy} --period {PERIOD} --kill {killed}:9{checkpoints}")
     live, output = runs.wait(f"exact-{strategy}")
-    assert pids(live) == REPLACED_ONCE, output[-6000:]
-    assert "replica group 1: healed from a live group at step 8" in output
-    assert "replica group 0: the meeting at step 12 did not commit" in output
+    assert pids(live) == replaced_once(killed), output[-6000:]
+    assert f"replica group {killed}: healed from a live group at step 8" in output
+    assert f"replica group {1 - killed}: the meeting at step 12 did not commit" in output
+    if checkpoints:  # steps 1 to 9 before the kill, the others after
+        assert written_before_the_kill(live, f"{killed}:9", STEPS) == \
+            [True] * 9 + [False] * (STEPS - 9)
     reference, _ = runs.wait(f"restart-{strategy}")
     assert final(live)["step"] == STEPS
     assert all(same_end(final(live, group), final(reference, 0, group)) for group in (0, 1))
