@@ -1,8 +1,8 @@
 """A digits job for the live-recovery tests, run by `shoal run --replica-groups R`.
 
     live_job.py OUT STEPS [--kill GROUP:STEP[:SIGNAL[:RANK]]]... [--pace STEP:SECONDS]
-                [--hold STEP] [--checkpoints DIR] [--metrics DIR[:EVERY]] [--strategy S]
-                [--compression C] [--period H] [--backend gloo|nccl]
+                [--hold STEP] [--checkpoints DIR[:SECONDS]] [--metrics DIR[:EVERY]]
+                [--strategy S] [--compression C] [--period H] [--backend gloo|nccl]
 
 Every worker writes its pid per attempt (OUT/pid.g<group>.a<attempt>.r<rank>) and, at the
 end, the whole model and optimizer state keyed by name, the same under every strategy
@@ -59,7 +59,7 @@ parser.add_argument("--pace", default=None)
 parser.add_argument("--metrics", default=None,
                     help="write step metrics to this directory (a window every EVERY steps)")
 parser.add_argument("--checkpoints", default=None,
-                    help="checkpoint every step (each one kept), resume: auto")
+                    help="checkpoint every step, or every SECONDS (each one kept), resume: auto")
 parser.add_argument("--hold", type=int, default=None,
                     help="after this step group 0 writes OUT/held and waits for OUT/go")
 parser.add_argument("--step-sleep", type=float, default=None)
@@ -83,6 +83,7 @@ attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 rank = shoal.rank()
 (out / f"pid.g{group}.a{attempt}.r{rank}").write_text(str(os.getpid()))
 model = build_model(hidden=64)
+folder, *every = (args.checkpoints or "").split(":")
 trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch_size=16,
                         progress=False, max_steps=args.steps, strategy=args.strategy,
                         compression=json.loads(args.compression)
@@ -95,8 +96,9 @@ trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), b
                                else {})},
                         metrics=dict(zip(("dir", "every"), args.metrics.split(":"), strict=False))
                         if args.metrics else {"enabled": False},
-                        **({"checkpoint_dir": args.checkpoints, "checkpoint_every": 1,
-                            "keep_last": args.steps, "resume": "auto"}
+                        **({"checkpoint_dir": folder, "keep_last": args.steps,
+                            "resume": "auto", **({"checkpoint_every_seconds": float(every[0])}
+                                                 if every else {"checkpoint_every": 1})}
                            if args.checkpoints else {}))
 for spec in args.kill:
     g, step, *sig = spec.split(":")

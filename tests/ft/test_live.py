@@ -193,13 +193,16 @@ def test_available_goes_on_writing_while_group_0_is_missing(tmp_path):
     part) SIGKILLed at step 6 with no restart left: group 1 goes on alone and writes both
     from then on. With checkpoints (every step), its last one is at the run's last step and
     holds its final model. With metrics in windows of 4, the window of steps 5 and 6 dies
-    with group 0: group 1 writes them as it kept them, then its own, every step once.
-    (Before, neither was written after group 0 was lost.)"""
+    with group 0: group 1 writes them as it kept them, then its own, every step once. With
+    checkpoints every 0.05 s (steps of at least 0.02 s), group 1 saves some of the steps
+    between. (Before, none of these was written after group 0 was lost.)"""
     flags = ("--replica-groups", "2", "--max-restarts", "0", "--ft-policy", "available")
     folder = tmp_path / "ckpt"
     written = tmp_path / "written"
     with in_background(written, *flags,
-                       job=("--kill", "0:6", "--metrics", f"{written / 'metrics'}:4")) as run:
+                       job=("--kill", "0:6", "--metrics", f"{written / 'metrics'}:4",
+                            "--checkpoints", f"{written / 'ckpt'}:0.05",
+                            "--step-sleep", "0.02")) as run:
         live = tmp_path / "live"
         output = _finish(_shoal_run(live, *flags,
                                     job=("--kill", "0:6", "--checkpoints", str(folder))))
@@ -210,6 +213,9 @@ def test_available_goes_on_writing_while_group_0_is_missing(tmp_path):
         assert states_equal(shared["model"], final(live, 1)["model"])
         steps = step_metrics(run() / "metrics")
         assert [step[0] for step in steps] == list(range(1, STEPS + 1))
+        timed = [int(p.name[5:]) for p in (written / "ckpt").glob("step_*")
+                 if p.name[5:].isdigit()]
+        assert any(6 < step < STEPS for step in timed), sorted(timed)
 
 
 def test_exact_without_a_replacement_falls_back_to_restart(tmp_path, ddp_run):

@@ -255,13 +255,15 @@ class Trainer:
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.reports)
         metrics: dict[str, float] = {}
+        # Every group's ranks agree on timed saves (the group that saves may change); a
+        # preemption signal is group 0's to act on (the others stop with it).
         self._preemption = PreemptionWatch(
             self.harness.device, waiting=self.live.waiting if self.live is not None else None
-        ) if self.checkpointing and writes else None
+        ) if self.checkpointing else None
         # (live: marked from the step the first quorum says, see training.live)
         self.recording.open(writes, resumed=bool(c.resume) and self.global_step > 0)
         try:
-            if self._preemption:
+            if self._preemption and writes:
                 self._preemption.start()
             while not self._finished(epochs, max_steps):
                 try:
@@ -482,8 +484,10 @@ class Trainer:
                 self.checkpointing.after_step(redone=self.live is not None
                                               and self.live.redone)
             if self._preemption:
-                signum, save_now = self._preemption.poll(self.checkpointing.time_due())
-                if save_now and self.checkpointing.saved_step != self.global_step:
+                signum, save_now = self._preemption.poll(
+                    self._saves and self.checkpointing.time_due())
+                if save_now and self._saves and \
+                        self.checkpointing.saved_step != self.global_step:
                     self.checkpointing.save()
                 if signum:
                     self._stop_for(signum)
