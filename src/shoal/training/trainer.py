@@ -255,11 +255,11 @@ class Trainer:
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.reports)
         metrics: dict[str, float] = {}
-        # Every group's ranks agree on timed saves (the group that saves may change); a
-        # preemption signal is group 0's to act on (the others stop with it).
+        # A preemption signal is group 0's to act on (the others stop with it); timed saves
+        # are agreed in every group (the group that saves may change).
         self._preemption = PreemptionWatch(
             self.harness.device, waiting=self.live.waiting if self.live is not None else None
-        ) if self.checkpointing else None
+        ) if self.checkpointing and (writes or c.checkpoint_every_seconds) else None
         # (live: marked from the step the first quorum says, see training.live)
         self.recording.open(writes, resumed=bool(c.resume) and self.global_step > 0)
         try:
