@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -77,6 +79,27 @@ def test_crash_mid_save_leaves_no_complete_checkpoint(store):
     # What a crash between the shards and the commit leaves: a .partial folder.
     (store.root / "step_000000040.partial").mkdir()
     assert store.latest().name == "step_000000030"
+
+
+def test_two_writers_of_one_step_keep_the_first_commit(tmp_path, single_process, monkeypatch):
+    """Two live replica groups stopped while they wait for each other save the same step
+    at once: each writes its own partial directory, and the one whose rename comes second
+    (here: group 1 commits just before group 0's rename) keeps the first commit."""
+    first = CheckpointStore(tmp_path / "ckpt", writer="group0")
+    second = CheckpointStore(tmp_path / "ckpt", writer="group1")
+    rename = os.replace
+
+    def the_other_commits_first(source, target):
+        if str(source).endswith(".partial.group0"):
+            monkeypatch.setattr(os, "replace", rename)
+            second.save(7, _state(7), {}, {"by": 1})
+        rename(source, target)
+
+    monkeypatch.setattr(os, "replace", the_other_commits_first)
+    first.save(7, _state(7), {}, {"by": 0})
+    assert [p.name for p in first.root.iterdir()] == ["step_000000007"]
+    _, _, meta = first.load(first.latest())
+    assert meta["by"] == 1
 
 
 def test_model_that_does_not_fit_lists_the_keys(tmp_path, single_process):

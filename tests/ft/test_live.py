@@ -218,19 +218,55 @@ def test_available_goes_on_writing_while_group_0_is_missing(tmp_path):
         assert any(6 < step < STEPS for step in timed), sorted(timed)
 
 
-def test_exact_without_a_replacement_falls_back_to_restart(tmp_path, ddp_run):
+@pytest.mark.parametrize("killed", [1, 0])
+def test_exact_without_a_replacement_falls_back_to_restart(tmp_path, ddp_run, killed):
     """Policy exact, and the killed group has no restart left: one line says the job falls
     back to today's restart; the group waiting for it saves its last step and stops at
     once (the SIGTERM ends its wait at the quorum), every group starts again from that
-    checkpoint, and the run still ends bitwise equal to the run without failures."""
+    checkpoint, and the run still ends bitwise equal to the run without failures. The only
+    checkpoint is that save (timed ones every 1000 s): also where the group killed is group
+    0, which writes the checkpoints while it takes part (before, group 1 ended on the
+    SIGTERM without a save, and the restart began again at step 0)."""
     live = tmp_path / "live"
     output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "0",
-                                job=("--kill", "1:6", "--checkpoints", str(tmp_path / "ckpt"))))
+                                job=("--kill", f"{killed}:6",
+                                     "--checkpoints", f"{tmp_path / 'ckpt'}:1000")))
     assert output.count("falling back to a restart of every group from the last "
                         "checkpoint (policy exact)") == 1
-    assert "replica group 1 did not come back (exit code" in output
-    assert "shoal: preempted by SIGTERM at step 6: checkpoint saved" in output
+    assert f"replica group {killed} did not come back (exit code" in output
+    assert output.count("shoal: preempted by SIGTERM at step 6: checkpoint saved") == 1
+    assert "(step 6, epoch 0" in output, output[-4000:]  # where the restart resumed
     assert _equals_ddp(live, ddp_run())
+
+
+def test_available_saves_on_a_signal_while_group_0_is_missing(tmp_path):
+    """Policy 'available', group 0 SIGKILLed at step 6 with no restart left, then SIGTERM to
+    `shoal run` once group 1 is well past it: group 1, which writes the checkpoints now,
+    saves the step it stops at and the job exits with 143, said in one line. (Before, a
+    preemption signal was group 0's to act on: group 1 ended on it without a save.)"""
+    out = tmp_path / "live"
+    folder = tmp_path / "ckpt"
+    run = _shoal_run(out, "--replica-groups", "2", "--max-restarts", "0", "--ft-policy",
+                     "available", steps=2000,
+                     job=("--kill", "0:6", "--checkpoints", f"{folder}:1000",
+                          "--step-sleep", "0.02"))
+    try:
+        deadline = time.monotonic() + TIMEOUT  # a hang guard
+        marker = out / "step.g1"
+        while not (marker.exists() and int(marker.read_text()) >= 20):
+            assert run.poll() is None and time.monotonic() < deadline, \
+                "group 1 never got past step 20"
+            time.sleep(0.1)
+        run.send_signal(signal.SIGTERM)
+        output = run.communicate(timeout=TIMEOUT)[0].decode()
+    finally:
+        run.kill()
+    assert run.returncode == 128 + signal.SIGTERM, output[-4000:]
+    stops = re.findall(r"preempted by SIGTERM at step (\d+): checkpoint saved", output)
+    assert len(stops) == 1 and 20 <= int(stops[0]) < 2000, output[-4000:]
+    store = CheckpointStore(folder, keep_last=1)
+    _, _, meta = store.load(store.latest())
+    assert meta["global_step"] == int(stops[0])
 
 
 def test_exact_with_random_augmentation_equals_the_run_without_failures(tmp_path):

@@ -55,8 +55,13 @@ def _write_json(path: Path, data: Any) -> None:
 class CheckpointStore:
     """Save and find checkpoints under ``root``; keeps the newest ``keep_last``."""
 
-    def __init__(self, root: str | os.PathLike, keep_last: int = 3, async_save: bool = False):
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3, async_save: bool = False,
+                 writer: str = ""):
+        """``writer``: this one's name where several may save the same step at once (live
+        replica groups stopped while they wait for each other hold the same state): each
+        writes in a partial directory of its own, and the first commit stays."""
         self.root = Path(root)
+        self.writer = writer
         self.keep_last = keep_last
         self.async_save = async_save
         self._pending: tuple[Any, Path, dict] | None = None  # (future, partial dir, record)
@@ -80,7 +85,8 @@ class CheckpointStore:
         self.wait()
         rank = _rank()
         final = self.path_for(step)
-        partial = final.with_name(final.name + ".partial")
+        partial = final.with_name(final.name + ".partial" + (f".{self.writer}" if self.writer
+                                                             else ""))
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash during a save
             partial.mkdir(parents=True)
@@ -152,12 +158,17 @@ class CheckpointStore:
         # Every rank's shards are written before rank 0 writes the marker.
         _barrier()
         if _rank() == 0:
-            final = partial.with_name(partial.name.removesuffix(".partial"))
+            final = self.path_for(record["step"])
             _write_json(partial / META, record)
             files = {p.name: p.stat().st_size for p in sorted(partial.iterdir())}
             _write_json(partial / COMMIT, {"step": record["step"], "files": files})
             shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)
+            try:
+                os.replace(partial, final)
+            except OSError:  # another writer's commit of this step came between
+                if self.problem(final) is not None:
+                    raise
+                shutil.rmtree(partial, ignore_errors=True)
             self._prune()
         _barrier()
 

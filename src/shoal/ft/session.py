@@ -100,6 +100,9 @@ class LiveSession:
         self._participants = place.groups
         self._started = 0.0
         self._in_quorum = False  # waiting for the other groups at a quorum
+        self.before_wait: Callable[[], None] = lambda: None
+        """Called as this group starts to wait at a quorum (the Trainer's: a preemption
+        signal that came since the last step ends the run here)."""
         self._leaving: int | None = None  # the exit code of a stop in a quorum wait
         self._feedback = feedback
         self._exact = place.config.policy == "exact"
@@ -218,6 +221,7 @@ class LiveSession:
                 with heartbeat.waiting():
                     self._in_quorum = True  # a preemption signal may end this wait
                     try:
+                        self.before_wait()
                         return self.replica.quorum()
                     finally:
                         self._in_quorum = False
@@ -424,6 +428,12 @@ class LiveSession:
         groups in the last quorum (group 0 where it takes part; under 'available', while
         group 0 is missing, the next one)."""
         return self.replica.leads
+
+    @property
+    def holds_a_step(self) -> bool:
+        """This group holds a step that committed (it took part in one, or healed from a
+        group that did), not only the state it started from."""
+        return self.replica.step > 0
 
     @property
     def everyone(self) -> bool:

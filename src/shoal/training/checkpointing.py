@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from shoal.checkpoint import CheckpointError, CheckpointStore, rng, tree
 from shoal.errors import UsageError
+from shoal.ft.config import ReplicaPlace
 from shoal.parallel.pipeline_parallel import placed_in_stage
 
 # layers: up to remote/, which imports nothing of training: checkpoints hold a tier's state
@@ -65,7 +66,9 @@ class Checkpointing:
     def __init__(self, trainer: Trainer, directory: str, every: int | None, keep_last: int,
                  async_save: bool = False, every_seconds: float | None = None):
         self.trainer = trainer
-        self.store = CheckpointStore(directory, keep_last=keep_last, async_save=async_save)
+        place = ReplicaPlace.from_environ()  # live replica groups may save a step at once
+        self.store = CheckpointStore(directory, keep_last=keep_last, async_save=async_save,
+                                     writer=f"group{place.group}" if place else "")
         self.every = every
         self.every_seconds = every_seconds
         self.saved_step = -1

@@ -7,8 +7,9 @@ check never blocks a step: the job stops at most two steps after the signal. The
 all-reduce carries rank 0's "a timed checkpoint is due", so all ranks save at one step.
 
 A live job's rank that waits for the other replica groups (a quorum that may take minutes)
-is not at a step boundary: there the signal raises ``Preempted`` at once, and the Trainer
-saves the last committed step and exits.
+is not at a step boundary: there the signal raises ``Preempted`` at once (one that came
+since the last step boundary, as the wait starts), and the Trainer saves the last committed
+step and exits.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ class PreemptionWatch:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def before_wait(self) -> None:
+        """As the rank starts to wait for the other replica groups: a signal that came
+        since the last step boundary raises ``Preempted`` now (the handler raises only
+        during the wait)."""
+        if self.received is not None:
+            raise Preempted(self.received)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.received = signum

@@ -255,15 +255,17 @@ class Trainer:
         progress = Progress(self._total_steps(loader, epochs, max_steps),
                             enabled=c.progress and self.reports)
         metrics: dict[str, float] = {}
-        # A preemption signal is group 0's to act on (the others stop with it); timed saves
-        # are agreed in every group (the group that saves may change).
+        # Every live group watches for a preemption signal, and for timed saves: the group
+        # that saves may change (``_saves``).
         self._preemption = PreemptionWatch(
             self.harness.device, waiting=self.live.waiting if self.live is not None else None
-        ) if self.checkpointing and (writes or c.checkpoint_every_seconds) else None
+        ) if self.checkpointing else None
+        if self._preemption and self.live is not None:
+            self.live.before_wait = self._preemption.before_wait
         # (live: marked from the step the first quorum says, see training.live)
         self.recording.open(writes, resumed=bool(c.resume) and self.global_step > 0)
         try:
-            if self._preemption and writes:
+            if self._preemption:
                 self._preemption.start()
             while not self._finished(epochs, max_steps):
                 try:
@@ -271,7 +273,7 @@ class Trainer:
                 except Preempted as stop:  # while waiting for the other replica groups
                     assert self.live is not None  # raised only while a live session waits
                     self.live.exit_on_close(preemption_exit_code(stop.signum))
-                    self._stop_for(stop.signum)
+                    self._stop_for(stop.signum, waited=True)
                 if isinstance(ran, StepOutcome):  # live: a step done again, or healed
                     continue  # on from the state's step and data position
                 train, epoch_done = ran
@@ -494,16 +496,21 @@ class Trainer:
             if self.recording.clock:
                 self.recording.clock.skip()  # a save's time is the next step's 'other'
 
-    def _stop_for(self, signum: int) -> NoReturn:
-        """Every rank is here at the same step: save, then exit with 128 + signal."""
+    def _stop_for(self, signum: int, waited: bool = False) -> NoReturn:
+        """Every rank of the group is here at the same step: save, then exit with 128 +
+        signal. In a live job the group that saves does (``_saves``), and every group
+        stopped while it ``waited`` for the others at a quorum that holds a step that
+        committed: the group that saves may be the one missing (the store keeps one copy of
+        a step that two groups save)."""
         assert self.checkpointing is not None  # preemption is watched only with checkpoints
-        if self.checkpointing.saved_step != self.global_step:
+        saves = self.live.holds_a_step if waited and self.live is not None else self._saves
+        if saves and self.checkpointing.saved_step != self.global_step:
             self.checkpointing.save()
         self.checkpointing.store.wait()
         # the end-of-run table of this part of the run, in MLflow too
         self.recording.finish(show_summary=False)
         name = signal.Signals(signum).name
-        if self.harness.is_main:
+        if self.harness.is_main and saves:
             print(f"shoal: preempted by {name} at step {self.global_step}: checkpoint saved "
                   f"in {self.checkpointing.store.root}; exiting with code "
                   f"{preemption_exit_code(signum)}", file=sys.stderr, flush=True)
