@@ -81,16 +81,24 @@ def test_crash_mid_save_leaves_no_complete_checkpoint(store):
     assert store.latest().name == "step_000000030"
 
 
-def test_two_writers_of_one_step_keep_the_first_commit(tmp_path, single_process, monkeypatch):
+@pytest.mark.parametrize("moment", ["its commit marker", "its rename"])
+def test_two_writers_of_one_step_keep_the_first_commit(tmp_path, single_process, monkeypatch,
+                                                       moment):
     """Two live replica groups stopped while they wait for each other save the same step
-    at once: each writes its own partial directory, and the one whose rename comes second
-    (here: group 1 commits just before group 0's rename) keeps the first commit."""
+    at once: each writes its own partial directory, and the one that commits second (here
+    group 0: group 1 commits just before group 0 writes its commit marker, or renames its
+    directory) keeps the first commit. A step committed before the save began is replaced
+    (a step saved again)."""
     first = CheckpointStore(tmp_path / "ckpt", writer="group0")
     second = CheckpointStore(tmp_path / "ckpt", writer="group1")
+    first.save(7, _state(7), {}, {"by": "before"})
+    second.save(7, _state(7), {}, {"by": "again"})
+    assert first.load(first.latest())[2]["by"] == "again"
     rename = os.replace
+    at = ".partial.group0" if moment == "its rename" else "COMMIT.tmp"
 
     def the_other_commits_first(source, target):
-        if str(source).endswith(".partial.group0"):
+        if str(source).endswith(at):
             monkeypatch.setattr(os, "replace", rename)
             second.save(7, _state(7), {}, {"by": 1})
         rename(source, target)

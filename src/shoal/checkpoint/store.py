@@ -4,7 +4,9 @@ Layout: ``ROOT/step_000000120/`` holds DCP's shard files and ``.metadata``, shoa
 ``shoal.json`` (structure, counters) and, written last, ``COMMIT.json``, which lists every
 file with its size. A save goes to ``step_N.partial`` and is renamed only after the commit
 marker exists, so a crash mid-save never leaves a checkpoint that looks complete; a truncated
-or missing shard is caught by the sizes before anything is loaded.
+or missing shard is caught by the sizes before anything is loaded. Where several writers may
+save one step at once (live replica groups), each has a partial directory of its own
+(``step_N.partial.<writer>``), and the first to commit the step keeps it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -59,9 +62,11 @@ class CheckpointStore:
                  writer: str = ""):
         """``writer``: this one's name where several may save the same step at once (live
         replica groups stopped while they wait for each other hold the same state): each
-        writes in a partial directory of its own, and the first commit stays."""
+        writes in a partial directory of its own, and of a step committed while this one
+        saved it, the first commit stays."""
         self.root = Path(root)
         self.writer = writer
+        self._started = 0.0  # (wall clock) when the save in flight began
         self.keep_last = keep_last
         self.async_save = async_save
         self._pending: tuple[Any, Path, dict] | None = None  # (future, partial dir, record)
@@ -83,6 +88,7 @@ class CheckpointStore:
         by the next ``save`` or by ``wait``.
         """
         self.wait()
+        self._started = time.time()
         rank = _rank()
         final = self.path_for(step)
         partial = final.with_name(final.name + ".partial" + (f".{self.writer}" if self.writer
@@ -162,15 +168,26 @@ class CheckpointStore:
             _write_json(partial / META, record)
             files = {p.name: p.stat().st_size for p in sorted(partial.iterdir())}
             _write_json(partial / COMMIT, {"step": record["step"], "files": files})
-            shutil.rmtree(final, ignore_errors=True)
-            try:
-                os.replace(partial, final)
-            except OSError:  # another writer's commit of this step came between
-                if self.problem(final) is not None:
-                    raise
+            if self.writer and self._committed_meanwhile(final):
                 shutil.rmtree(partial, ignore_errors=True)
+            else:  # (a step saved again: the new save replaces the one there)
+                shutil.rmtree(final, ignore_errors=True)
+                try:
+                    os.replace(partial, final)
+                except OSError:
+                    if not self._committed_meanwhile(final):
+                        raise
+                    shutil.rmtree(partial, ignore_errors=True)
             self._prune()
         _barrier()
+
+    def _committed_meanwhile(self, final: Path) -> bool:
+        """Another writer committed ``final`` (complete) since this one began to save it."""
+        try:
+            committed = final.stat().st_mtime  # (its last entry: the commit marker)
+        except FileNotFoundError:
+            return False
+        return committed >= self._started and self.problem(final) is None
 
     def _prune(self) -> None:
         committed = self._step_dirs()
