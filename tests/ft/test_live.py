@@ -239,17 +239,23 @@ def test_exact_without_a_replacement_falls_back_to_restart(tmp_path, ddp_run, ki
     assert _equals_ddp(live, ddp_run())
 
 
-def test_available_saves_on_a_signal_while_group_0_is_missing(tmp_path):
-    """Policy 'available', group 0 SIGKILLed at step 6 with no restart left, then SIGTERM to
-    `shoal run` once group 1 is well past it: group 1, which writes the checkpoints now,
-    saves the step it stops at and the job exits with 143, said in one line. (Before, a
-    preemption signal was group 0's to act on: group 1 ended on it without a save.)"""
+@pytest.mark.parametrize("case", ["available, group 0 lost", "exact, groups of 2"])
+def test_a_signal_saves_once_whichever_group_writes(tmp_path, case):
+    """SIGTERM to `shoal run` past step 20: the job saves the step it stops at, once, and
+    exits with 143, said in one line.
+    - Policy 'available', group 0 SIGKILLed at step 6 with no restart left: group 1, which
+      writes the checkpoints now, saves. (Before, a preemption signal was group 0's to act
+      on: group 1 ended on it without a save.)
+    - Policy 'exact', groups of 2 processes (a quorum every step, where the signal often
+      finds a group waiting): group 0 saves, and group 1, whose writer is there, does not
+      save the step again."""
     out = tmp_path / "live"
     folder = tmp_path / "ckpt"
-    run = _shoal_run(out, "--replica-groups", "2", "--max-restarts", "0", "--ft-policy",
-                     "available", steps=2000,
-                     job=("--kill", "0:6", "--checkpoints", f"{folder}:1000",
-                          "--step-sleep", "0.02"))
+    flags = (("--ft-policy", "available", "--max-restarts", "0") if case.startswith("available")
+             else ("--nproc-per-node", "2"))
+    kill = ("--kill", "0:6") if case.startswith("available") else ()
+    run = _shoal_run(out, "--replica-groups", "2", *flags, steps=2000,
+                     job=(*kill, "--checkpoints", f"{folder}:1000", "--step-sleep", "0.02"))
     try:
         deadline = time.monotonic() + TIMEOUT  # a hang guard
         marker = out / "step.g1"
@@ -267,6 +273,7 @@ def test_available_saves_on_a_signal_while_group_0_is_missing(tmp_path):
     store = CheckpointStore(folder, keep_last=1)
     _, _, meta = store.load(store.latest())
     assert meta["global_step"] == int(stops[0])
+    assert [p.name for p in folder.iterdir()] == [f"step_{int(stops[0]):09d}"]
 
 
 def test_exact_with_random_augmentation_equals_the_run_without_failures(tmp_path):

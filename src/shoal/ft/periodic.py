@@ -102,7 +102,8 @@ class PeriodicSession(LiveSession):
             if quorum.healed and not start:  # behind ('available'): now a live group's clone
                 self._contributes, self._moved = False, True
             mean, bringing, rows = self._attempt(flat.clone())
-            if self.replica.commit():
+            self._failed = not self.replica.commit()
+            if not self._failed:
                 break
             if not said and not start:
                 self._say(f"the meeting at step {self.state.global_step} did not commit "

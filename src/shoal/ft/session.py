@@ -100,6 +100,7 @@ class LiveSession:
         self._participants = place.groups
         self._started = 0.0
         self._in_quorum = False  # waiting for the other groups at a quorum
+        self._failed = False  # this group's last try of a step (or meeting) did not commit
         self.before_wait: Callable[[], None] = lambda: None
         """Called as this group starts to wait at a quorum (the Trainer's: a preemption
         signal that came since the last step ends the run here)."""
@@ -265,6 +266,7 @@ class LiveSession:
         if self._logged:
             self._log_step(grads, committed)
             self.rounds.hand_next = committed and self.rounds.next
+        self._failed = not committed
         if not committed:
             self.replica.drop()  # a group that committed fails its next step at once
             if self._kept is not None:  # the step's error feedback is undone too
@@ -430,10 +432,18 @@ class LiveSession:
         return self.replica.leads
 
     @property
-    def holds_a_step(self) -> bool:
-        """This group holds a step that committed (it took part in one, or healed from a
-        group that did), not only the state it started from."""
-        return self.replica.step > 0
+    def saves_in_wait(self) -> bool:
+        """Whether this group saves where a preemption signal stops it at a quorum: it
+        holds a step that committed (it took part in one, or healed), and it writes the
+        checkpoints (``saves``) or the group that does may be the one missing: this group's
+        last try of a step or meeting did not commit, or its wait has outlasted the
+        lighthouse's heartbeat timeout. (Two groups may then save one step: the store keeps
+        the first.)"""
+        if self.replica.step == 0:
+            return False
+        waited = time.monotonic() - self._started
+        return (self.saves or self._failed
+                or waited > self.place.config.heartbeat_timeout_ms / 1000)
 
     @property
     def everyone(self) -> bool:

@@ -498,12 +498,11 @@ class Trainer:
 
     def _stop_for(self, signum: int, waited: bool = False) -> NoReturn:
         """Every rank of the group is here at the same step: save, then exit with 128 +
-        signal. In a live job the group that saves does (``_saves``), and every group
-        stopped while it ``waited`` for the others at a quorum that holds a step that
-        committed: the group that saves may be the one missing (the store keeps one copy of
-        a step that two groups save)."""
+        signal. In a live job the group that saves does (``_saves``); stopped while it
+        ``waited`` for the others at a quorum, also a group that holds the last step while
+        the group that saves may be the one missing (``LiveSession.saves_in_wait``)."""
         assert self.checkpointing is not None  # preemption is watched only with checkpoints
-        saves = self.live.holds_a_step if waited and self.live is not None else self._saves
+        saves = self.live.saves_in_wait if waited and self.live is not None else self._saves
         if saves and self.checkpointing.saved_step != self.global_step:
             self.checkpointing.save()
         self.checkpointing.store.wait()
