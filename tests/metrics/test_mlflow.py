@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shoal.checkpoint import CheckpointStore
+from shoal.checkpoint.layout import STEP_DIR
 from shoal.config.loader import apply_override, validate_run_tree
 from shoal.launch.ports import free_port
 from shoal.metrics.mlflow import MLflowConfig, MLflowRun
@@ -158,12 +160,14 @@ def killed_and_resumed(tracking_uri, tmp_path_factory):
                                  stdout=subprocess.DEVNULL, stderr=err,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
 
+    store = CheckpointStore(run_dir / "checkpoints")
+
     def committed() -> bool:
         """A checkpoint of step KILL_AFTER or later is committed. (Not step KILL_AFTER's
         alone: it is pruned three saves later, which a poll on a loaded machine may miss,
         and the workers go on for a few steps after their launcher is killed.)"""
-        return any(int(d.name[5:]) >= KILL_AFTER and (d / "COMMIT.json").exists()
-                   for d in (run_dir / "checkpoints").glob("step_*") if d.name[5:].isdigit())
+        latest = store.latest(report=False)
+        return latest is not None and int(STEP_DIR.match(latest.name)[1]) >= KILL_AFTER
 
     deadline = time.time() + FIRST_RUN_S
     while not (seen := committed()) and first.poll() is None and time.time() < deadline:
