@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-from tests.helpers import REPO
-
-BENCHMARKS = Path(REPO) / "benchmarks"
+from tests.benchmarks import load
 
 
 def _groups():
-    sys.path.insert(0, str(BENCHMARKS))  # groups.py imports recovery.py's readers
-    try:
-        spec = importlib.util.spec_from_file_location("groups", BENCHMARKS / "groups.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    return load("groups")
 
 
 def test_a_kill_after_the_victims_share_went_through_is_a_pause_all_the_same():

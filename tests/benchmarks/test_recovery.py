@@ -3,20 +3,14 @@ and a `shoal train` run's step rate read from its metrics."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests.benchmarks import load
 
 
 def _recovery():
-    path = Path(REPO) / "benchmarks" / "recovery.py"
-    spec = importlib.util.spec_from_file_location("recovery", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("recovery")
 
 
 def test_the_pairs_alternate_which_runs_first(tmp_path):
