@@ -79,7 +79,7 @@ class _Manager:
 def _replica(pg: _ProcessGroup, errored: Exception | None = None) -> Replica:
     replica = Replica.__new__(Replica)  # its manager only: no lighthouse, no torchft server
     replica._manager = _Manager(pg, errored)
-    replica._sum_options = None
+    replica._sum_options = replica._gather_options = None
     return replica
 
 

@@ -62,15 +62,19 @@ def in_hook(comm: object) -> bool:
 
 class Carried:
     """A step's numbers (float32) on their way across the groups with its gradients
-    (``carry``): one row of their sum, or every group's row (a gather); ``sums`` reads
-    them once backward is done. Each slot's sum is exact (see ``LiveSession._numbers``), so
-    it is the same in any order and precision."""
+    (``carry``): summed in place (an all-reduce), or every group's row (a gather, ``rows``);
+    ``sums`` reads them once backward is done. Each slot's sum is exact (see
+    ``LiveSession._numbers``), so it is the same in any order and precision."""
 
     def __init__(self, numbers: list[float]):
-        self.rows = torch.tensor(numbers, dtype=torch.float32).view(1, -1)
-        """(rows, numbers): what came back (until then, this group's own numbers)."""
+        self.sent = torch.tensor(numbers, dtype=torch.float32)
+        """What this group sends (an all-reduce sums it in place)."""
+        self.rows: torch.Tensor | None = None
+        """(groups, numbers): every group's, where they were gathered."""
 
     def sums(self) -> list[float]:
+        if self.rows is None:
+            return self.sent.tolist()
         rows = self.rows.tolist()
         return rows[0] if len(rows) == 1 else [sum(column) for column in zip(*rows, strict=True)]
 
@@ -102,7 +106,7 @@ class AcrossGroups:
         if self.replica is None or self.wire is not None or not self.fp32:
             return None
         carried = Carried(numbers)
-        self._carried = carried.rows[0]  # summed in place
+        self._carried = carried.sent  # summed in place
         return carried
 
     @staticmethod
@@ -193,20 +197,26 @@ class TopKAcrossGroups(TopKHook):
             return super()._gather(payload)  # a group of one process: its own
         groups = self.replica.participants
         n = payload.numel()
-        sent = payload if carried is None else torch.cat(
-            [payload, carried.rows.to(payload.device).view(torch.uint8).view(-1)])
+        if carried is None:
+            sent = payload
+        else:
+            numbers = carried.sent
+            if numbers.device != payload.device:
+                numbers = numbers.to(payload.device)
+            sent = torch.cat([payload, numbers.view(torch.uint8)])
         self.traffic.sent(all_gather_bytes(sent.numel(), groups))
         self.traffic.launched()
 
         def rows(every: torch.Tensor) -> torch.Tensor:
             self.traffic.done()
+            selections = every[:, :n]
             if carried is not None:  # summed by the step (Carried.sums), after backward
                 numbers = every[:, n:]
                 if n % 4:  # (float32 from a multiple of its size)
                     numbers = numbers.contiguous()
                 carried.rows = numbers.view(torch.float32)
-            self.last = every[:, :n], groups
-            return every[:, :n]
+            self.last = selections, groups
+            return selections
 
         return self.replica.start_gather(sent, then=rows), groups
 

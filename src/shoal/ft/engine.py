@@ -164,9 +164,12 @@ class Replica:
         self._alone = group_size == 1 and all(
             hasattr(self._manager, name) for name in _COMMIT_FIELDS)
         from torch.distributed import AllreduceOptions, ReduceOp
+        from torch.distributed.distributed_c10d import AllgatherOptions
 
-        self._sum_options = AllreduceOptions()  # (read, never changed, by each sum)
+        # (read, never changed, by each collective)
+        self._sum_options = AllreduceOptions()
         self._sum_options.reduceOp = ReduceOp(ReduceOp.SUM)
+        self._gather_options = AllgatherOptions()
         self._on_accelerator = _accelerator()  # (then each vote synchronizes it)
 
     def _loaded(self, state: dict) -> None:
@@ -266,7 +269,7 @@ class Replica:
         step does not commit), so that a DDP hook never raises."""
         options = self._sum_options
         return self._start(tensor, lambda pg: pg.allreduce([tensor], options),
-                           lambda: tensor, tensor, then)
+                           lambda: tensor, lambda: tensor, then)
 
     def start_gather(self, tensor: torch.Tensor, then: After | None = None
                      ) -> torch.futures.Future[torch.Tensor]:
@@ -275,30 +278,28 @@ class Replica:
         ``then(rows)``, as ``start_sum``). Never fails, as ``start_sum``: a failed gather
         marks the step as errored (the step does not commit), and its rows are then
         zeros."""
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
+        options, length = self._gather_options, tensor.numel()
         rows: list[torch.Tensor] = []
 
         def launch(pg: Any) -> Any:
-            rows.append(tensor.new_empty(pg.size(), tensor.numel()))
-            return pg.allgather_into_tensor_coalesced([rows[0].view(-1)], [tensor],
-                                                      AllgatherOptions())
+            rows.append(tensor.new_empty(pg.size() * length))
+            return pg.allgather_into_tensor_coalesced(rows, [tensor], options)
 
-        return self._start(tensor, launch, lambda: rows[0],
-                           tensor.new_zeros(1, tensor.numel()), then)
+        return self._start(tensor, launch, lambda: rows[0].view(-1, length),
+                           lambda: tensor.new_zeros(1, length), then)
 
     def _start(self, tensor: torch.Tensor, launch: Callable[[Any], Any],
-               result: Callable[[], torch.Tensor], failed: torch.Tensor,
+               result: Callable[[], torch.Tensor], failed: Callable[[], torch.Tensor],
                then: After | None = None) -> torch.futures.Future[torch.Tensor]:
         """A collective of ``tensor`` across the groups (``launch(process group)`` starts
-        it; the future's value is then ``result()``, or ``failed`` where it fails, passed
+        it; the future's value is then ``result()``, or ``failed()`` where it fails, passed
         through ``then`` where given). A group that does not take part in the step sends
         zeros."""
         m = self._manager
         after = then if then is not None else _same
 
         def skipped() -> torch.futures.Future[torch.Tensor]:  # (then: inside the future)
-            return _done(failed).then(lambda done: after(done.value()))
+            return _done(failed()).then(lambda done: after(done.value()))
 
         if m.errored():
             # A step's collectives after its first failure are skipped, and the process
@@ -322,7 +323,7 @@ class Replica:
                 future.wait()
             except Exception as exc:  # noqa: BLE001 - a lost group, a timeout
                 m.report_error(exc)
-                return after(failed)
+                return after(failed())
             return after(result())
 
         return started.then(finished)
