@@ -18,7 +18,8 @@
    step rate without kills against DDP's (the cost of live recovery while nothing fails).
    `--config RUN.yaml` measures that cost on a `shoal train` config instead (40 steps a
    run unless --steps; its steps past the fifth), with each run's val_loss beside DDP's:
-   under `exact` two groups of one process end with 2-process DDP's model.
+   under `exact` two groups of one process end with 2-process DDP's model. `--group-size N`:
+   2 groups of N processes each, against DDP over 2 x N.
 2. Save: a model + AdamW state of --state-mb megabytes (>= 500), saved by one process:
    synchronous save time, asynchronous save's blocking time (target <= 10 % of the
    synchronous time; after a first save that allocates the reused copy buffers) and total
@@ -34,7 +35,7 @@
                                   [--compression none] [--no-save] [--state-mb 540]
                                   [--repeats 3] [--pairs 3]
     python benchmarks/recovery.py --config examples/gpt.yaml [--steps 40] [--pairs 3]
-                                  [--compression none] [--json FILE]
+                                  [--compression none] [--group-size 1] [--json FILE]
 """
 
 # ruff: noqa: E402
@@ -231,15 +232,16 @@ def _calm(mode: str, steps: int, compression: str, pairs: int
             [rate / ddp for rate, ddp in readings])
 
 
-def _train(config: str, steps: int, mode: str, compression: str) -> Path:
-    """One run of ``shoal train --config config`` for ``steps`` steps, as 2-process DDP
-    ("baseline") or as 2 live groups of one process; its folder."""
+def _train(config: str, steps: int, mode: str, compression: str, group_size: int = 1
+           ) -> Path:
+    """One run of ``shoal train --config config`` for ``steps`` steps, as DDP over 2 x
+    ``group_size`` processes ("baseline") or as 2 live groups of ``group_size``; its
+    folder."""
     out = Path(tempfile.mkdtemp(prefix="shoal-recovery-"))
-    flags = {"baseline": ["--nproc-per-node", "2"],
-             "live exact": ["--nproc-per-node", "1", "--replica-groups", "2",
-                            "--ft-policy", "exact"],
-             "live available": ["--nproc-per-node", "1", "--replica-groups", "2",
-                                "--ft-policy", "available"]}[mode]
+    live = ["--nproc-per-node", str(group_size), "--replica-groups", "2", "--ft-policy"]
+    flags = {"baseline": ["--nproc-per-node", str(2 * group_size)],
+             "live exact": [*live, "exact"],
+             "live available": [*live, "available"]}[mode]
     cmd = [sys.executable, "-m", "shoal", "train", "--config", config, *flags,
            f"trainer.max_steps={steps}", f"run.dir={out / 'run'}",
            f"trainer.compression.name={compression}"]
@@ -258,14 +260,16 @@ def _train_figures(out: Path) -> tuple[float, float | None]:
     return 1 / statistics.mean(steps), losses[-1] if losses else None
 
 
-def measure_config(config: str, steps: int, compression: str, pairs: int) -> list[dict]:
+def measure_config(config: str, steps: int, compression: str, pairs: int,
+                   group_size: int = 1) -> list[dict]:
     """The cost of live recovery without failures on a `shoal train` config: each live
-    policy's step rate against 2-process DDP's, and whether its val_loss is DDP's."""
+    policy's step rate (2 groups of ``group_size`` processes) against DDP's over as many
+    processes, and whether its val_loss is DDP's."""
     results = []
     for mode in MODES[1:]:
-        readings = _alternated(mode, pairs,
-                               lambda kind: _train(config, steps, kind, compression),
-                               _train_figures)
+        readings = _alternated(
+            mode, pairs, lambda kind: _train(config, steps, kind, compression, group_size),
+            _train_figures)
         ratios = [rate / ddp for (rate, _), (ddp, _) in readings]
         results.append({"mode": mode, "rate_vs_ddp": statistics.median(ratios),
                         "pairs_vs_ddp": ratios,
@@ -368,11 +372,13 @@ def measure_save(megabytes: int, repeats: int) -> dict:
 
 
 def _print_recovery(results: list[dict], steps: int, kills: int, compression: str,
-                    config: str | None = None) -> None:
+                    config: str | None = None, group_size: int = 1) -> None:
+    processes = 2 * group_size
     if config:
         print(f"the cost without failures of `shoal train --config {config}`, {steps} steps "
-              f"(compression {compression}): 2 live groups of 1 process against 2-process "
-              "DDP, by the mean step past the first 5")
+              f"(compression {compression}): 2 live groups of {group_size} "
+              f"process{'es' if group_size > 1 else ''} against {processes}-process DDP, by "
+              "the mean step past the first 5")
     else:
         print(f"recovery: a {steps}-step digits job on 2 data-parallel workers "
               f"(compression {compression}), {kills} SIGKILLs of a random worker at random "
@@ -380,7 +386,7 @@ def _print_recovery(results: list[dict], steps: int, kills: int, compression: st
     for r in results:
         pairs = sorted(r["pairs_vs_ddp"])
         print(f"  {r['mode']}: without kills, {r['rate_vs_ddp']:.2f} x the step rate of "
-              f"2-process DDP (median of {len(pairs)} pairs; "
+              f"{processes}-process DDP (median of {len(pairs)} pairs; "
               f"{', '.join(f'{x:.2f}' for x in pairs)})")
         if "val_loss" in r:
             print(f"    val_loss {', '.join(map(repr, r['val_loss']))}; DDP's "
@@ -424,6 +430,9 @@ def main() -> None:
                         help="instead of parts 1 and 2: each live policy's step rate without kills "
                         "on this `shoal train` config (--steps of it, default 40), against "
                         "2-process DDP's, --pairs alternated pairs; and each run's val_loss")
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="with --config: processes in each of the 2 live groups (DDP "
+                        "then runs on twice as many)")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="[]", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoints", action="store_true", help=argparse.SUPPRESS)
@@ -433,8 +442,9 @@ def main() -> None:
                    args.checkpoints, args.compression)
     if args.config:
         steps = args.steps if args.steps != parser.get_default("steps") else 40
-        results = measure_config(args.config, steps, args.compression, args.pairs)
-        _print_recovery(results, steps, 0, args.compression, args.config)
+        results = measure_config(args.config, steps, args.compression, args.pairs,
+                                 args.group_size)
+        _print_recovery(results, steps, 0, args.compression, args.config, args.group_size)
     else:
         results = measure_recovery(args.steps, args.kills, args.seed, args.compression,
                                    args.pairs)

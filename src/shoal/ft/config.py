@@ -65,7 +65,9 @@ class FaultToleranceConfig(BaseModel):
     this often: how long a replacement under 'available' may wait to be let in, and how
     soon a lighthouse that is gone is noticed. (A full quorum costs a few milliseconds to
     tens of milliseconds here: 0.5 s made `examples/gpt.yaml`'s 0.33 s steps 3 to 6 %
-    slower.)"""
+    slower.) A group of several processes counts it in steps, agreed inside the group at
+    each full quorum from the pace of the steps before it, so that all its processes ask at
+    the same step: a stretch of slower steps (a validation pass) comes on top."""
     compression_state_every: int = Field(10, ge=1)
     """Policy 'exact' with compression powersgd or topk, whose error feedback each rank keeps
     for itself: every this many steps each group hands the others its compression state, and

@@ -60,10 +60,13 @@ class LiveSession:
     def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
                  state: GroupState,
                  record: Callable[..., None] = lambda step, **fields: None,
-                 wire: torch.dtype | None = None, feedback: bool = False):
+                 wire: torch.dtype | None = None, feedback: bool = False,
+                 least: Callable[[int], int] = lambda value: value):
         """``state``: what a heal sends and loads; ``feedback``: each rank keeps an error
         feedback of its own (powersgd, topk), which a step that does not commit undoes;
-        ``record(step, **fields)``: a change of who takes part, for the run's metrics."""
+        ``record(step, **fields)``: a change of who takes part, for the run's metrics;
+        ``least(value)``: the least ``value`` of this group's processes (a collective
+        inside the group, where it has several)."""
         from shoal.ft.engine import Replica  # imports torchft: only in a live job
 
         self.place = place
@@ -92,6 +95,11 @@ class LiveSession:
         """The last step's losses of this rank and the same rank of every other group: their
         sum (float64) and micro-batches (see ``end_step``)."""
         self._full_at = 0.0  # when this group last asked the lighthouse
+        self._reuses = 0  # steps that reused the last full quorum
+        self._may_reuse = 0
+        """A group of several processes: the steps that may reuse a full quorum, agreed
+        inside the group at each one (see ``_agree_on_reuses``)."""
+        self._least = least
         self.quorums = 0
         """Quorums this process asked the lighthouse for, for its steps (not reused)."""
         self.quorum_seconds = 0.0
@@ -152,6 +160,7 @@ class LiveSession:
         if self._quorum is None:
             if self._steady:  # nothing changed since the last quorum: no round trip
                 self._quorum = self.replica.again()
+                self._reuses += 1
             elif self._start_quorum().healed:
                 if self.rounds.replay:
                     self._sit_out()
@@ -191,6 +200,7 @@ class LiveSession:
         """The quorum of a step (kept for it), which a group behind heals in. A job starts
         whole: its first step waits for every group, also under 'available' (whose
         lighthouse forms a quorum of whoever is there)."""
+        previous, steps = self._full_at, self._reuses + 1
         self._started = self._full_at = time.monotonic()
         self.quorums += 1
         self._quorum = self._meet()
@@ -198,6 +208,9 @@ class LiveSession:
                and self._quorum.participants < self.place.groups):
             time.sleep(0.05)
             self._quorum = self._meet()
+        if not self.replica.alone:
+            self._agree_on_reuses(previous, steps)
+        self._reuses = 0
         if self.quorums > 1:
             self.quorum_seconds += time.monotonic() - self._started
         if self._quorum.healed:
@@ -208,6 +221,17 @@ class LiveSession:
                 self._say(f"healed from a live group at step {self._received_step} "
                           f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
         return self._quorum
+
+    def _agree_on_reuses(self, previous: float, steps: int) -> None:
+        """A group of several processes, at a full quorum: how many steps may reuse it, so
+        that the next full one comes about ``quorum_every_s`` later at the pace of the
+        ``steps`` since the one before (begun at ``previous``; 0: none yet, and then the
+        next step holds one). Every process of the group must ask for the next full quorum
+        at the same step (each waits for the others in it), so the group takes the least of
+        its processes' counts, in one collective inside the group each full quorum."""
+        pace = (self._started - previous) / steps if previous else 0.0
+        every = self.place.config.quorum_every_s
+        self._may_reuse = self._least(max(0, int(every / pace) - 1) if pace > 0 else 0)
 
     def _meet(self) -> Quorum:
         """The step's quorum, tried again until the policy's deadline (a lighthouse that
@@ -354,8 +378,10 @@ class LiveSession:
         whether every group brings its step travels here). Each slot's sum over the groups
         is exact in float32, in any order: one group's part (zeros from the others), or a
         count."""
-        due = (not self.replica.alone
-               or time.monotonic() - self._full_at >= self.place.config.quorum_every_s)
+        if self.replica.alone:
+            due = time.monotonic() - self._full_at >= self.place.config.quorum_every_s
+        else:  # the same step in every process of the group (``_agree_on_reuses``)
+            due = self._reuses >= self._may_reuse
         groups, group = self.place.groups, self.place.group
         tail = [0.0] * (3 * groups) + [float(losses[1]), float(due)]
         tail[3 * group:3 * group + 3] = loss_parts(losses[0])

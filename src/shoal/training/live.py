@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from shoal.data.sharding import position_after
@@ -69,10 +70,20 @@ def open_live(trainer: Trainer) -> LiveSession | None:
     session = LiveSession(place, h.rank, h.world_size, trainer.state, record=record,
                           wire=_WIRE.get(c.compression.name),
                           # a residual per rank (ddp)
-                          feedback=c.compression.name in ("powersgd", "topk"))
+                          feedback=c.compression.name in ("powersgd", "topk"),
+                          least=lambda value: _least(h.device, value))
     if in_hook(h.comm):  # the gradients cross the groups in DDP's hook
         session.attach(h.comm)
     return session
+
+
+def _least(device: torch.device, value: int) -> int:
+    """The least ``value`` of this group's processes (its default process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    least = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return int(least.item())
 
 
 # Compressions that apply across groups too: stateless, the same rounding on every rank.
