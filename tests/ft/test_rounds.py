@@ -57,6 +57,13 @@ def test_hand_overs_come_every_so_many_steps_and_no_more_than_their_share():
         rare.log_step(torch.zeros(1000), (0.0, 1))
     assert not rare.due(9) and rare.due(10)
 
+    # A group of several processes: every ``every`` steps exactly, whatever a process's
+    # clock and log say (its processes must hand over at the same step).
+    counted = Rounds(every=10, share=0.01, counted=True)
+    _kept(counted, 0)
+    counted.cost = 10.0
+    assert not counted.due(9) and counted.due(10)
+
 
 def test_a_replacement_loads_its_own_groups_private_state_and_redoes_the_log():
     private = [{"comm": {"residual": torch.full((3,), float(g))}} for g in range(2)]

@@ -80,8 +80,10 @@ class FaultToleranceConfig(BaseModel):
     steps, and no sooner than the last one's time divided by this share after it (0.01:
     a hundred times as long as a hand-over takes), so that steps much shorter than a
     hand-over do not pay for one every few steps; the redo grows to match (paid only when
-    a group is replaced). 1: every ``compression_state_every`` steps. (A hand-over's time is
-    that of its own work; its copies slow the step it comes in about as much again.)"""
+    a group is replaced). 1: every ``compression_state_every`` steps, as groups of several
+    processes always hand over (their processes must agree on the step without a word).
+    (A hand-over's time is that of its own work; its copies slow the step it comes in
+    about as much again.)"""
 
     @model_validator(mode="after")
     def _ordered_timeouts(self) -> FaultToleranceConfig:

@@ -31,9 +31,12 @@ of every group."""
 class Rounds:
     """The last round of this group, its log, and when the next hand-over is due."""
 
-    def __init__(self, every: int = 1, share: float = 1.0):
-        """``every``, ``share``: ``compression_state_every`` and ``_share`` (see ``due``)."""
-        self.every, self.share = every, share
+    def __init__(self, every: int = 1, share: float = 1.0, counted: bool = False):
+        """``every``, ``share``: ``compression_state_every`` and ``_share`` (see ``due``);
+        ``counted``: a group of several processes, which hands over every ``every`` steps
+        exactly (each process's clock and log would say "due" at a step of its own, and
+        the processes of a group must hand over at the same step)."""
+        self.every, self.share, self.counted = every, share, counted
         self.state: dict | None = None
         """This group's state at the last round (None: no round yet)."""
         self.rows: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -86,7 +89,7 @@ class Rounds:
         if self.state is None or self.pending is not None:  # a hand-over is under way
             return False
         return (next_step - self.state["global_step"] >= self.every
-                and (self.share >= 1  # (then exactly every so many steps)
+                and (self.share >= 1 or self.counted  # (then exactly every so many steps)
                      or time.monotonic() - self._at >= self.cost / self.share
                      or self._log_bytes >= self._state_bytes))
 

@@ -118,7 +118,7 @@ class LiveSession:
         # 'exact' under powersgd, topk: hand-overs of the compression state, and a log.
         self._logged = self._exact and self._feedback
         self.rounds = Rounds(place.config.compression_state_every,
-                             place.config.compression_state_share)
+                             place.config.compression_state_share, counted=group_size > 1)
         """'exact': this group's state at the last meeting (periodic) or hand-over (under
         powersgd, topk), and the steps since."""
         self._kept: dict | None = None  # this rank's private state as the step began
@@ -230,8 +230,9 @@ class LiveSession:
         at the same step (each waits for the others in it), so the group takes the least of
         its processes' counts, in one collective inside the group each full quorum."""
         pace = (self._started - previous) / steps if previous else 0.0
-        every = self.place.config.quorum_every_s
-        self._may_reuse = self._least(max(0, int(every / pace) - 1) if pace > 0 else 0)
+        # (at most 2**31 steps: quorum_every_s may be infinite)
+        count = min(self.place.config.quorum_every_s / pace, 2.0**31) - 1 if pace > 0 else 0
+        self._may_reuse = self._least(max(0, int(count)))
 
     def _meet(self) -> Quorum:
         """The step's quorum, tried again until the policy's deadline (a lighthouse that
@@ -325,9 +326,9 @@ class LiveSession:
         lighthouse. A lost group is still noticed at once, by the next step's collective,
         which then fails: that step does not commit, and the one done again meets the
         lighthouse (a replacement heals there). A group asks for a full quorum at least
-        every ``quorum_every_s``, so that a lighthouse that is gone is noticed, and always
-        when its group has several processes (whose vote is taken by its manager); all see
-        the same sum, so every group holds the next quorum, or none.
+        every ``quorum_every_s``, so that a lighthouse that is gone is noticed (a group of
+        several processes counts it in steps: ``_agree_on_reuses``); all see the same sum,
+        so every group holds the next quorum, or none.
 
         ``losses`` (this rank's loss sum in the step, float64, and its micro-batches) are
         summed with the other groups' in the same collective: each group's sum in slots of
