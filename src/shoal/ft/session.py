@@ -100,6 +100,9 @@ class LiveSession:
         """A group of several processes: the steps that may reuse a full quorum, agreed
         inside the group at each one (see ``_agree_on_reuses``)."""
         self._least = least
+        self._several = group_size > 1
+        """This group has several processes: they agree on the steps of full quorums and
+        hand-overs (each process's clock would choose a step of its own)."""
         self.quorums = 0
         """Quorums this process asked the lighthouse for, for its steps (not reused)."""
         self.quorum_seconds = 0.0
@@ -118,7 +121,7 @@ class LiveSession:
         # 'exact' under powersgd, topk: hand-overs of the compression state, and a log.
         self._logged = self._exact and self._feedback
         self.rounds = Rounds(place.config.compression_state_every,
-                             place.config.compression_state_share, counted=group_size > 1)
+                             place.config.compression_state_share, counted=self._several)
         """'exact': this group's state at the last meeting (periodic) or hand-over (under
         powersgd, topk), and the steps since."""
         self._kept: dict | None = None  # this rank's private state as the step began
@@ -208,7 +211,7 @@ class LiveSession:
                and self._quorum.participants < self.place.groups):
             time.sleep(0.05)
             self._quorum = self._meet()
-        if not self.replica.alone:
+        if self._several:
             self._agree_on_reuses(previous, steps)
         self._reuses = 0
         if self.quorums > 1:
@@ -379,10 +382,10 @@ class LiveSession:
         whether every group brings its step travels here). Each slot's sum over the groups
         is exact in float32, in any order: one group's part (zeros from the others), or a
         count."""
-        if self.replica.alone:
+        if self._several:  # the same step in every process of the group
+            due = self._reuses >= self._may_reuse  # (``_agree_on_reuses``)
+        else:
             due = time.monotonic() - self._full_at >= self.place.config.quorum_every_s
-        else:  # the same step in every process of the group (``_agree_on_reuses``)
-            due = self._reuses >= self._may_reuse
         groups, group = self.place.groups, self.place.group
         tail = [0.0] * (3 * groups) + [float(losses[1]), float(due)]
         tail[3 * group:3 * group + 3] = loss_parts(losses[0])
