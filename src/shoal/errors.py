@@ -31,6 +31,17 @@ class NonFiniteError(RuntimeError):
     """
 
 
+class Preempted(BaseException):
+    """A preemption signal (SIGTERM, SIGUSR1) that came while a live job's rank waited for the
+    other replica groups: the Trainer saves the last committed step and exits with 128 +
+    ``signum``. Not an Exception: no retry loop may take it for a failed try.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def usage_error(exc: ValidationError, prefix: str = "") -> UsageError:
     """Pydantic's validation errors as one line that names each bad key and why."""
     parts = []

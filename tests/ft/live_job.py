@@ -1,7 +1,8 @@
 """A digits job for the live-recovery tests, run by `shoal run --replica-groups R`.
 
     live_job.py OUT STEPS [--kill GROUP:STEP[:SIGNAL[:RANK]]]... [--pace STEP:SECONDS]
-                [--hold STEP] [--checkpoints DIR[:SECONDS]] [--metrics DIR[:EVERY]]
+                [--hold STEP] [--late] [--heal-fails G:R] [--checkpoints DIR[:SECONDS]]
+                [--metrics DIR[:EVERY]]
                 [--strategy S] [--compression C] [--period H] [--backend gloo|nccl]
 
 Every worker writes its pid per attempt (OUT/pid.g<group>.a<attempt>.r<rank>) and, at the
@@ -15,15 +16,17 @@ trainer (it is about to train), then takes at least S seconds per step until the
 replacement has taken a step (so that it rejoins before the run ends, under policy
 'available'; once back, neither of two live groups forms a quorum without the other).
 ``--hold K``: after step K group 0 writes OUT/held and waits for OUT/go (the test does
-something to the job meanwhile). ``--no-commit G:S``: group G takes its vote on step S as
-no, once, while the others commit it. ``--step-sleep S``: after each step every group
-writes its step to OUT/step.g<group> and sleeps S seconds (the test acts on a job under
-way). ``--quorum-every S``, ``--share F``: the Trainer's own ``fault_tolerance.
-quorum_every_s``, ``compression_state_share``. Beside
-the final state, OUT/figures.g<group>.r<rank>.json holds the last epoch's train_loss, the
-validation figures after the last step, whether its group wrote the checkpoints at the end
-and how many quorums the process asked the
-lighthouse for.
+something to the job meanwhile); ``--late``: a replacement waits for OUT/go before it builds
+its trainer (the other groups wait for it at the quorum); ``--heal-fails G:R``: in a
+replacement of group G, rank R's first fetch of a live group's state fails (an error in
+torchft's transport), while its other ranks' go through. ``--no-commit G:S``: group G takes
+its vote on step S as no, once, while the others commit it. ``--step-sleep S``: after each
+step every group writes its step to OUT/step.g<group> and sleeps S seconds (the test acts
+on a job under way). ``--quorum-every S``, ``--share F``: the Trainer's own
+``fault_tolerance.quorum_every_s``, ``compression_state_share``. Beside the final state,
+OUT/figures.g<group>.r<rank>.json holds the last epoch's train_loss, the validation figures
+after the last step, whether its group wrote the checkpoints at the end and how many
+quorums the process asked the lighthouse for.
 """
 
 import argparse
@@ -63,6 +66,10 @@ parser.add_argument("--checkpoints", default=None,
 parser.add_argument("--hold", type=int, default=None,
                     help="after this step group 0 writes OUT/held and waits for OUT/go")
 parser.add_argument("--step-sleep", type=float, default=None)
+parser.add_argument("--heal-fails", default=None,
+                    help="G:R: in a replacement of group G, rank R's first heal fails")
+parser.add_argument("--late", action="store_true",
+                    help="a replacement waits for OUT/go before it builds its trainer")
 parser.add_argument("--strategy", default="ddp")
 parser.add_argument("--compression", default="none", help="a name, or its settings as JSON")
 parser.add_argument("--period", type=int, default=None, help="of local_sgd or diloco")
@@ -82,6 +89,23 @@ group = int(os.environ.get("SHOAL_FT_GROUP", "0"))
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 rank = shoal.rank()
 (out / f"pid.g{group}.a{attempt}.r{rank}").write_text(str(os.getpid()))
+if args.heal_fails and attempt > 0 and list(map(int, args.heal_fails.split(":"))) == [group,
+                                                                                     rank]:
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    fetch = HTTPTransport.recv_checkpoint
+
+    def fails_once(transport, *args, failed=[], **kwargs):  # noqa: B006 - once a process
+        if not failed:
+            failed.append(True)
+            raise ConnectionError("injected: the fetch of a live group's state failed")
+        return fetch(transport, *args, **kwargs)
+    HTTPTransport.recv_checkpoint = fails_once
+if args.late and attempt > 0:
+    import time
+
+    while not (out / "go").exists():
+        time.sleep(0.05)
 model = build_model(hidden=64)
 folder, *every = (args.checkpoints or "").split(":")
 trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch_size=16,

@@ -246,14 +246,15 @@ def test_a_signal_saves_once_whichever_group_writes(tmp_path, case):
     - Policy 'available', group 0 SIGKILLed at step 6 with no restart left: group 1, which
       writes the checkpoints now, saves. (Before, a preemption signal was group 0's to act
       on: group 1 ended on it without a save.)
-    - Policy 'exact', groups of 2 processes (a quorum every step, where the signal often
-      finds a group waiting): group 0 saves, and group 1, whose writer is there, does not
-      save the step again."""
+    - Policy 'exact', groups of 2 processes with a full quorum every step (where the signal
+      often finds a group waiting, and may end one process's wait after the quorum has let
+      the other go on): group 0 saves, and group 1, whose writer is there, does not save
+      the step again."""
     out = tmp_path / "live"
     folder = tmp_path / "ckpt"
     flags = (("--ft-policy", "available", "--max-restarts", "0") if case.startswith("available")
              else ("--nproc-per-node", "2"))
-    kill = ("--kill", "0:6") if case.startswith("available") else ()
+    kill = ("--kill", "0:6") if case.startswith("available") else ("--quorum-every", "1e-6")
     run = _shoal_run(out, "--replica-groups", "2", *flags, steps=2000,
                      job=(*kill, "--checkpoints", f"{folder}:1000", "--step-sleep", "0.02"))
     try:
@@ -274,6 +275,37 @@ def test_a_signal_saves_once_whichever_group_writes(tmp_path, case):
     _, _, meta = store.load(store.latest())
     assert meta["global_step"] == int(stops[0])
     assert [p.name for p in folder.iterdir()] == [f"step_{int(stops[0]):09d}"]
+
+
+def test_a_signal_to_one_process_in_a_quorum_wait_stops_its_whole_group(tmp_path):
+    """Policy 'exact', groups of 2 processes: group 1 SIGKILLed at step 6 and its replacement
+    held back, so that group 0 waits for it at the quorum; SIGTERM to group 0's rank 1 alone
+    in that wait. The quorum lets rank 0 go on once the replacement comes, while rank 1 was
+    stopped: both stop there and save step 6 together, once; group 0's agent starts it
+    again, it resumes there and the job ends. (Before, rank 1 stopped alone, its save waited
+    for rank 0, and rank 0 went into step 7 without it: nothing saved, the groups waited for
+    each other until the quorum's deadline, and the job started again from step 0.)"""
+    out = tmp_path / "live"
+    folder = tmp_path / "ckpt"
+    run = _shoal_run(out, "--replica-groups", "2", "--nproc-per-node", "2",
+                     "--max-restarts", "1",
+                     job=("--kill", "1:6", "--late", "--checkpoints", f"{folder}:1000"))
+    try:
+        deadline = time.monotonic() + TIMEOUT  # a hang guard
+        while not (out / "pid.g1.a1.r1").exists():  # the replacement, held back
+            assert run.poll() is None and time.monotonic() < deadline, "no replacement"
+            time.sleep(0.1)
+        time.sleep(1)  # group 0's step 7 fails without group 1: it waits at the quorum
+        os.kill(int((out / "pid.g0.a0.r1").read_text()), signal.SIGTERM)
+        time.sleep(1)
+        (out / "go").write_text("")
+        output = run.communicate(timeout=TIMEOUT)[0].decode()
+    finally:
+        run.kill()
+    assert run.returncode == 0, output[-6000:]
+    stops = re.findall(r"preempted by SIGTERM at step (\d+): checkpoint saved", output)
+    assert stops == ["6"], output[-6000:]
+    assert "resumed from" in output and "(step 6, epoch 0, saved by 2 processes)" in output
 
 
 def test_exact_with_random_augmentation_equals_the_run_without_failures(tmp_path):

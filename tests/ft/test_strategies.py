@@ -99,6 +99,22 @@ def test_a_killed_rank_heals_rank_by_rank(runs, strategy):
     assert states_equal(_finals(out), _finals(runs.wait(f"live-{strategy}")[0]))
 
 
+def test_a_heal_that_fails_in_one_rank_is_done_again_by_the_whole_group(runs):
+    """As above under zero1, and the replacement's rank 1 fails its first fetch of group 0's
+    state while its rank 0's goes through: the group meets the others again from the step
+    its rank 1 holds, both ranks heal, and the run still ends bitwise equal to the run
+    without kills. (Before, torchft took the group's step from whichever rank asked last,
+    and the group could go on with rank 1 never healed.)"""
+    _live(runs, "zero1")
+    runs.start("heal-fails", "--replica-groups", "2", "--nproc-per-node", "2",
+               "--max-restarts", "1", job=f"--strategy zero1 --kill {KILL} --heal-fails 1:1")
+    out, output = runs.wait("heal-fails")
+    assert "replica group 1: a heal to step 4 failed in some of its processes" in output, \
+        output[-6000:]
+    assert "replica group 1: healed from a live group at step 4" in output
+    assert states_equal(_finals(out), _finals(runs.wait("live-zero1")[0]))
+
+
 @pytest.mark.parametrize("compression", ["fp16"])  # bf16: the same path, another dtype
 def test_half_precision_compression_across_groups(runs, compression):
     """fp16/bf16 compress the all-reduce across groups too, with the rounding of torch's

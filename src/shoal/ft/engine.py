@@ -210,6 +210,13 @@ class Replica:
         (which configures a new process group: a failed step changes the quorum's id)."""
         self._manager._pg.abort(errored=False)
 
+    def fall_back(self, step: int) -> None:
+        """This process holds ``step`` again (a heal that went through in only some of its
+        group's processes: the group's next quorum heals every one of them, torchft
+        reporting the step of whichever asks last), and the step under way is dropped."""
+        self._manager._step = step
+        self.drop()
+
     @property
     def participants(self) -> int:
         """Replica groups taking part in the step under way (its quorum's)."""

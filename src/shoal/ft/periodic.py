@@ -29,8 +29,9 @@ class PeriodicSession(LiveSession):
 
     def __init__(self, place: ReplicaPlace, group_rank: int, group_size: int,
                  state: GroupState,
-                 record: Callable[..., None] = lambda step, **fields: None):
-        super().__init__(place, group_rank, group_size, state, record)
+                 record: Callable[..., None] = lambda step, **fields: None,
+                 least: Callable[[list[int]], list[int]] = lambda values: values):
+        super().__init__(place, group_rank, group_size, state, record, least=least)
         self.joined = False
         self.round_due = False  # a meeting committed: keep the round's state next
         self._contributes = True  # False: the meeting under way counts this group out

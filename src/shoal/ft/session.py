@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from shoal.errors import Preempted
 from shoal.ft.across import AcrossGroups, Carried, TopKAcrossGroups
 from shoal.ft.config import ReplicaPlace
 from shoal.ft.engine import Quorum
@@ -61,12 +62,12 @@ class LiveSession:
                  state: GroupState,
                  record: Callable[..., None] = lambda step, **fields: None,
                  wire: torch.dtype | None = None, feedback: bool = False,
-                 least: Callable[[int], int] = lambda value: value):
+                 least: Callable[[list[int]], list[int]] = lambda values: values):
         """``state``: what a heal sends and loads; ``feedback``: each rank keeps an error
         feedback of its own (powersgd, topk), which a step that does not commit undoes;
         ``record(step, **fields)``: a change of who takes part, for the run's metrics;
-        ``least(value)``: the least ``value`` of this group's processes (a collective
-        inside the group, where it has several)."""
+        ``least(values)``: the least of each of ``values`` over this group's processes (a
+        collective inside the group, where it has several)."""
         from shoal.ft.engine import Replica  # imports torchft: only in a live job
 
         self.place = place
@@ -116,6 +117,7 @@ class LiveSession:
         """Called as this group starts to wait at a quorum (the Trainer's: a preemption
         signal that came since the last step ends the run here)."""
         self._leaving: int | None = None  # the exit code of a stop in a quorum wait
+        self._saves_agreed: bool | None = None  # ``saves_in_wait``, agreed in the group
         self._feedback = feedback
         self._exact = place.config.policy == "exact"
         # 'exact' under powersgd, topk: hand-overs of the compression state, and a log.
@@ -203,16 +205,14 @@ class LiveSession:
         """The quorum of a step (kept for it), which a group behind heals in. A job starts
         whole: its first step waits for every group, also under 'available' (whose
         lighthouse forms a quorum of whoever is there)."""
-        previous, steps = self._full_at, self._reuses + 1
+        reuses = self._reuses_after(self._full_at, self._reuses + 1)
         self._started = self._full_at = time.monotonic()
         self.quorums += 1
-        self._quorum = self._meet()
+        self._quorum = self._meet(reuses)
         while (self.replica.step == 0 and not self._quorum.healed
                and self._quorum.participants < self.place.groups):
             time.sleep(0.05)
-            self._quorum = self._meet()
-        if self._several:
-            self._agree_on_reuses(previous, steps)
+            self._quorum = self._meet(reuses)
         self._reuses = 0
         if self.quorums > 1:
             self.quorum_seconds += time.monotonic() - self._started
@@ -225,21 +225,66 @@ class LiveSession:
                           f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
         return self._quorum
 
-    def _agree_on_reuses(self, previous: float, steps: int) -> None:
-        """A group of several processes, at a full quorum: how many steps may reuse it, so
-        that the next full one comes about ``quorum_every_s`` later at the pace of the
-        ``steps`` since the one before (begun at ``previous``; 0: none yet, and then the
+    def _reuses_after(self, previous: float, steps: int) -> int:
+        """A group of several processes, asking for a full quorum: how many steps may reuse
+        it, so that the next full one comes about ``quorum_every_s`` later at the pace of
+        the ``steps`` since the one before (begun at ``previous``; 0: none yet, and then the
         next step holds one). Every process of the group must ask for the next full quorum
-        at the same step (each waits for the others in it), so the group takes the least of
-        its processes' counts, in one collective inside the group each full quorum."""
-        pace = (self._started - previous) / steps if previous else 0.0
+        at the same step (each waits for the others in it): the group takes the least of
+        its processes' counts (``_meet``)."""
+        pace = (time.monotonic() - previous) / steps if previous else 0.0
         # (at most 2**31 steps: quorum_every_s may be infinite)
         count = min(self.place.config.quorum_every_s / pace, 2.0**31) - 1 if pace > 0 else 0
-        self._may_reuse = self._least(max(0, int(count)))
+        return max(0, int(count))
 
-    def _meet(self) -> Quorum:
-        """The step's quorum, tried again until the policy's deadline (a lighthouse that
-        the launcher is starting again refuses connections meanwhile)."""
+    def _meet(self, reuses: int | None = None) -> Quorum:
+        """The step's (or meeting's) quorum, tried again until the policy's deadline (a
+        lighthouse that the launcher is starting again refuses connections meanwhile).
+
+        The processes of a group of several agree as they leave it, in one collective
+        inside the group (``_agree``): on ``reuses`` (the steps that may reuse it, see
+        ``_reuses_after``), on a stop, and on the step they hold. A preemption signal ends
+        a process's wait at once (``Preempted``), and it may reach one process of the group
+        after the quorum has let another go on: then every process stops here, and they
+        agree on whether they save (each on its own, the one would save alone and the other
+        wait for it in the step until the step's deadline). A heal may go through in some
+        processes and fail in others (each fetches its own state): then the group meets
+        again, as far behind as its furthest process, and every process heals."""
+        while True:
+            try:
+                quorum = self._meet_once()
+            except Preempted as stop:
+                if not self._several:
+                    raise
+                self._agree(reuses, stop.signum)
+                raise  # (``_agree`` raises first)
+            if not self._several or self._agree(reuses, 0):
+                return quorum
+
+    def _agree(self, reuses: int | None, signum: int) -> bool:
+        """A group of several processes, leaving a quorum wait: the least ``reuses`` of its
+        processes; whether any was stopped in the wait by a signal (``signum``; then every
+        process raises ``Preempted``, and saves where they hold one committed step and any
+        would save: ``saves_in_wait``); and whether they hold the same step (else each
+        falls back to the least, and False: meet again)."""
+        step = self.replica.step
+        # (the least of a negated value: the greatest)
+        least, minus_signum, minus_wants, lowest, minus_highest = self._least(
+            [reuses or 0, -signum, -int(self.saves_in_wait), step, -step])
+        if reuses is not None:
+            self._may_reuse = least
+        if minus_signum:
+            self._saves_agreed = minus_wants < 0 and 0 < lowest == -minus_highest
+            raise Preempted(-minus_signum)
+        if lowest == -minus_highest:
+            return True
+        self._say(f"a heal to step {-minus_highest} failed in some of its processes: the "
+                  "group meets the others again, and every process heals")
+        self.replica.fall_back(lowest)
+        return False
+
+    def _meet_once(self) -> Quorum:
+        """``_meet``'s quorum, for this process alone."""
         c = self.place.config
         wait = c.replacement_timeout_s if c.policy == "exact" else c.step_timeout_s
         deadline = time.monotonic() + wait
@@ -468,7 +513,9 @@ class LiveSession:
         checkpoints (``saves``) or the group that does may be the one missing: this group's
         last try of a step or meeting did not commit, or its wait has outlasted the
         lighthouse's heartbeat timeout. (Two groups may then save one step: the store keeps
-        the first.)"""
+        the first.) In a group of several processes, what they agreed (``_agree``)."""
+        if self._saves_agreed is not None:
+            return self._saves_agreed
         if self.replica.step == 0:
             return False
         waited = time.monotonic() - self._started

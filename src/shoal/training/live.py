@@ -64,26 +64,28 @@ def open_live(trainer: Trainer) -> LiveSession | None:
         trainer.recording.record("event", step, **fields)
 
     if trainer.state.periodic:
-        periodic = PeriodicSession(place, h.rank, h.world_size, trainer.state, record=record)
+        periodic = PeriodicSession(place, h.rank, h.world_size, trainer.state, record=record,
+                                   least=lambda values: _least(h.device, values))
         h.comm.across = periodic.meet
         return periodic
     session = LiveSession(place, h.rank, h.world_size, trainer.state, record=record,
                           wire=_WIRE.get(c.compression.name),
                           # a residual per rank (ddp)
                           feedback=c.compression.name in ("powersgd", "topk"),
-                          least=lambda value: _least(h.device, value))
+                          least=lambda values: _least(h.device, values))
     if in_hook(h.comm):  # the gradients cross the groups in DDP's hook
         session.attach(h.comm)
     return session
 
 
-def _least(device: torch.device, value: int) -> int:
-    """The least ``value`` of this group's processes (its default process group)."""
+def _least(device: torch.device, values: list[int]) -> list[int]:
+    """The least of each of ``values`` over this group's processes (one all-reduce on its
+    default process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    least = torch.tensor([value], dtype=torch.int64, device=device)
+        return values
+    least = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(least, op=dist.ReduceOp.MIN)
-    return int(least.item())
+    return least.tolist()
 
 
 # Compressions that apply across groups too: stateless, the same rounding on every rank.

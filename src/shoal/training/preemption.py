@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from shoal.errors import Preempted
+
 if TYPE_CHECKING:
     from types import FrameType
 
@@ -31,15 +33,6 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 def exit_code(signum: int) -> int:
     """The documented exit code of a preempted worker and launcher: 128 + signal number."""
     return 128 + signum
-
-
-class Preempted(BaseException):
-    """A preemption signal that came while the rank waited for the other replica groups
-    (not an Exception: no retry loop may take it for a failed try)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 class PreemptionWatch:

@@ -21,7 +21,7 @@ from shoal.data.sharding import (
     samples_between,
     set_epoch,
 )
-from shoal.errors import NonFiniteError, UsageError
+from shoal.errors import NonFiniteError, Preempted, UsageError
 from shoal.ft import ReplicaPlace
 from shoal.ft.step import StepOutcome
 from shoal.parallel.pipeline_parallel import PipelineModel
@@ -54,7 +54,7 @@ from shoal.training.live import (
     open_live,
     settle,
 )
-from shoal.training.preemption import Preempted, PreemptionWatch
+from shoal.training.preemption import PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
 from shoal.training.recording import Recording
