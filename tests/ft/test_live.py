@@ -277,27 +277,31 @@ def test_a_signal_saves_once_whichever_group_writes(tmp_path, case):
     assert [p.name for p in folder.iterdir()] == [f"step_{int(stops[0]):09d}"]
 
 
-def test_a_signal_to_one_process_in_a_quorum_wait_stops_its_whole_group(tmp_path):
-    """Policy 'exact', groups of 2 processes: group 1 SIGKILLed at step 6 and its replacement
-    held back, so that group 0 waits for it at the quorum; SIGTERM to group 0's rank 1 alone
-    in that wait. The quorum lets rank 0 go on once the replacement comes, while rank 1 was
-    stopped: both stop there and save step 6 together, once; group 0's agent starts it
-    again, it resumes there and the job ends. (Before, rank 1 stopped alone, its save waited
-    for rank 0, and rank 0 went into step 7 without it: nothing saved, the groups waited for
-    each other until the quorum's deadline, and the job started again from step 0.)"""
+@pytest.mark.parametrize("when", ["in the wait", "before the wait"])
+def test_a_signal_to_one_process_of_a_group_at_a_quorum_stops_the_whole_group(tmp_path, when):
+    """Policy 'exact', groups of 2 processes: group 1 SIGKILLed in step 7 and its replacement
+    held back, so that group 0 waits for it at the quorum; SIGTERM to group 0's rank 1 alone,
+    in that wait or in the failed step 7 before it (then it is raised once rank 1 has asked
+    for the quorum: rank 0 waits for that request). The quorum lets rank 0 go on once the
+    replacement comes, while rank 1 was stopped: both stop there and save step 6 together,
+    once; group 0's agent starts it again, it resumes there and the job ends. (Before, rank
+    1 stopped alone: nothing was saved, the groups waited for each other until the quorum's
+    deadline, and the job started again from step 0.)"""
     out = tmp_path / "live"
     folder = tmp_path / "ckpt"
+    own = ("--kill", "0:6:SIGTERM:1") if when == "before the wait" else ()
     run = _shoal_run(out, "--replica-groups", "2", "--nproc-per-node", "2",
-                     "--max-restarts", "1",
-                     job=("--kill", "1:6", "--late", "--checkpoints", f"{folder}:1000"))
+                     "--max-restarts", "1", job=("--kill", "1:6", *own, "--late",
+                                                 "--checkpoints", f"{folder}:1000"))
     try:
         deadline = time.monotonic() + TIMEOUT  # a hang guard
         while not (out / "pid.g1.a1.r1").exists():  # the replacement, held back
             assert run.poll() is None and time.monotonic() < deadline, "no replacement"
             time.sleep(0.1)
         time.sleep(1)  # group 0's step 7 fails without group 1: it waits at the quorum
-        os.kill(int((out / "pid.g0.a0.r1").read_text()), signal.SIGTERM)
-        time.sleep(1)
+        if not own:
+            os.kill(int((out / "pid.g0.a0.r1").read_text()), signal.SIGTERM)
+            time.sleep(1)
         (out / "go").write_text("")
         output = run.communicate(timeout=TIMEOUT)[0].decode()
     finally:

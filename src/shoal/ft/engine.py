@@ -218,6 +218,12 @@ class Replica:
         self.drop()
 
     @property
+    def healing(self) -> bool:
+        """A heal under way in this process (a quorum left before the state was loaded: the
+        manager's step may already be the source's)."""
+        return self._manager._healing
+
+    @property
     def participants(self) -> int:
         """Replica groups taking part in the step under way (its quorum's)."""
         return self._participants

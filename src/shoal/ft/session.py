@@ -99,7 +99,7 @@ class LiveSession:
         self._reuses = 0  # steps that reused the last full quorum
         self._may_reuse = 0
         """A group of several processes: the steps that may reuse a full quorum, agreed
-        inside the group at each one (see ``_agree_on_reuses``)."""
+        inside the group at each one (see ``_agree``)."""
         self._least = least
         self._several = group_size > 1
         """This group has several processes: they agree on the steps of full quorums and
@@ -118,6 +118,7 @@ class LiveSession:
         signal that came since the last step ends the run here)."""
         self._leaving: int | None = None  # the exit code of a stop in a quorum wait
         self._saves_agreed: bool | None = None  # ``saves_in_wait``, agreed in the group
+        self._fell_back = False  # a heal went through in only some processes: met again
         self._feedback = feedback
         self._exact = place.config.policy == "exact"
         # 'exact' under powersgd, topk: hand-overs of the compression state, and a log.
@@ -241,47 +242,86 @@ class LiveSession:
         """The step's (or meeting's) quorum, tried again until the policy's deadline (a
         lighthouse that the launcher is starting again refuses connections meanwhile).
 
-        The processes of a group of several agree as they leave it, in one collective
-        inside the group (``_agree``): on ``reuses`` (the steps that may reuse it, see
-        ``_reuses_after``), on a stop, and on the step they hold. A preemption signal ends
-        a process's wait at once (``Preempted``), and it may reach one process of the group
-        after the quorum has let another go on: then every process stops here, and they
-        agree on whether they save (each on its own, the one would save alone and the other
-        wait for it in the step until the step's deadline). A heal may go through in some
-        processes and fail in others (each fetches its own state): then the group meets
-        again, as far behind as its furthest process, and every process heals."""
+        The processes of a group of several leave it together: as each leaves (with a
+        quorum, stopped by a preemption signal, or past its deadline) they agree in one
+        collective inside the group (``_agree``) on what the group does. A signal may end
+        one process's wait after the quorum has let another go on (each on its own, the one
+        would save alone and the other wait for it in the step), and a heal may go through
+        in some processes and fail in others (each fetches its own state)."""
         while True:
+            quorum: Quorum | None = None
+            ended: Preempted | LiveError | None = None
             try:
                 quorum = self._meet_once()
-            except Preempted as stop:
+            except (Preempted, LiveError) as exc:
                 if not self._several:
                     raise
-                self._agree(reuses, stop.signum)
-                raise  # (``_agree`` raises first)
-            if not self._several or self._agree(reuses, 0):
+                ended = exc
+            if not self._several:
+                assert quorum is not None
                 return quorum
+            with heartbeat.waiting():  # (the others may still wait at the quorum)
+                if self._agree(reuses, quorum, ended):
+                    assert quorum is not None  # (else ``_agree`` raised)
+                    return quorum
 
-    def _agree(self, reuses: int | None, signum: int) -> bool:
-        """A group of several processes, leaving a quorum wait: the least ``reuses`` of its
-        processes; whether any was stopped in the wait by a signal (``signum``; then every
-        process raises ``Preempted``, and saves where they hold one committed step and any
-        would save: ``saves_in_wait``); and whether they hold the same step (else each
-        falls back to the least, and False: meet again)."""
+    def _agree(self, reuses: int | None, quorum: Quorum | None,
+               ended: Preempted | LiveError | None) -> bool:
+        """A group of several processes, leaving a quorum wait with ``quorum`` or ``ended``:
+        the least ``reuses`` of its processes (see ``_reuses_after``), and what the group
+        does. Stopped by a signal in any process: every one raises ``Preempted``, and they
+        save where each holds the same committed step and any would save
+        (``saves_in_wait``). Past its deadline in any: every one raises ``LiveError``. A
+        heal that went through in only some: each holds the least step again and False
+        (meet again, where every process heals; twice: ``LiveError``)."""
         step = self.replica.step
+        if self.replica.healing:  # (read after the step: the heal set it first)
+            step = -1  # stopped before its heal was loaded: not that step's state
+        healed = int(quorum is not None and quorum.healed)
         # (the least of a negated value: the greatest)
-        least, minus_signum, minus_wants, lowest, minus_highest = self._least(
-            [reuses or 0, -signum, -int(self.saves_in_wait), step, -step])
+        least, minus_signum, minus_wants, lowest, minus_highest, all_healed, minus_ended = \
+            self._least([reuses or 0, -ended.signum if isinstance(ended, Preempted) else 0,
+                         -int(self.saves_in_wait), step, -step, healed, -int(bool(ended))])
         if reuses is not None:
             self._may_reuse = least
         if minus_signum:
             self._saves_agreed = minus_wants < 0 and 0 < lowest == -minus_highest
             raise Preempted(-minus_signum)
+        group = self.place.group
+        if minus_ended:
+            raise ended or LiveError(
+                f"replica group {group}: another of its processes found no quorum of the "
+                "replica groups in time; this group stops (its agent restarts it)")
+        # (Whether a process healed says nothing by itself: at the job's first quorum each
+        # rank of a group may copy the weights of a group of its own choosing, or none.)
         if lowest == -minus_highest:
+            if self._fell_back and not all_healed:
+                raise LiveError(f"replica group {group}: no live group to heal from again "
+                                "after a heal that failed in some of its processes; this "
+                                "group stops (its agent restarts it)")
+            self._fell_back = False
             return True
+        if self._fell_back:
+            raise LiveError(f"replica group {group}: a heal failed again in some of its "
+                            "processes; this group stops (its agent restarts it)")
         self._say(f"a heal to step {-minus_highest} failed in some of its processes: the "
                   "group meets the others again, and every process heals")
         self.replica.fall_back(lowest)
+        self._fell_back = True
         return False
+
+    def _before_wait(self) -> None:
+        """The Trainer's ``before_wait`` (a preemption signal since the last step raises
+        ``Preempted``). In a group of several processes only once this process has asked
+        for the quorum: torchft asks the lighthouse once every process of a group has, and
+        the others wait for it there."""
+        try:
+            self.before_wait()
+        except Preempted:
+            if self._several:
+                with contextlib.suppress(Exception):  # (a timeout: the request is out)
+                    self.replica.quorum(timeout_s=1.0)
+            raise
 
     def _meet_once(self) -> Quorum:
         """``_meet``'s quorum, for this process alone."""
@@ -295,7 +335,7 @@ class LiveSession:
                 with heartbeat.waiting():
                     self._in_quorum = True  # a preemption signal may end this wait
                     try:
-                        self.before_wait()
+                        self._before_wait()
                         return self.replica.quorum()
                     finally:
                         self._in_quorum = False
@@ -375,7 +415,7 @@ class LiveSession:
         which then fails: that step does not commit, and the one done again meets the
         lighthouse (a replacement heals there). A group asks for a full quorum at least
         every ``quorum_every_s``, so that a lighthouse that is gone is noticed (a group of
-        several processes counts it in steps: ``_agree_on_reuses``); all see the same sum,
+        several processes counts it in steps: ``_reuses_after``); all see the same sum,
         so every group holds the next quorum, or none.
 
         ``losses`` (this rank's loss sum in the step, float64, and its micro-batches) are
@@ -428,7 +468,7 @@ class LiveSession:
         is exact in float32, in any order: one group's part (zeros from the others), or a
         count."""
         if self._several:  # the same step in every process of the group
-            due = self._reuses >= self._may_reuse  # (``_agree_on_reuses``)
+            due = self._reuses >= self._may_reuse  # (``_agree``)
         else:
             due = time.monotonic() - self._full_at >= self.place.config.quorum_every_s
         groups, group = self.place.groups, self.place.group
