@@ -2,6 +2,7 @@
 replica groups, stopped by its pid when they are done.
 
     python -m shoal.ft.lighthouse --bind 127.0.0.1:PORT --min-replicas R --config JSON
+                                  [--parent PID]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from shoal.ft.config import FaultToleranceConfig
+from shoal.runtime.parent import die_with_parent
 
 
 @dataclass
@@ -59,7 +61,8 @@ def start_lighthouse(host: str, port: int, min_replicas: int,
     """Start the daemon; it listens on ``host:port`` as soon as its import is done (the
     groups' managers retry their first connection meanwhile)."""
     command = [sys.executable, "-m", "shoal.ft.lighthouse", "--bind", f"{host}:{port}",
-               "--min-replicas", str(min_replicas), "--config", config.model_dump_json()]
+               "--min-replicas", str(min_replicas), "--config", config.model_dump_json(),
+               "--parent", str(os.getpid())]
     return Lighthouse(subprocess.Popen(command, stdin=subprocess.DEVNULL),
                       f"http://{host}:{port}", command)
 
@@ -69,7 +72,11 @@ def main() -> None:
     parser.add_argument("--bind", required=True)
     parser.add_argument("--min-replicas", type=int, required=True)
     parser.add_argument("--config", required=True)
+    parser.add_argument("--parent", type=int, default=None,
+                        help="the launcher's pid: this daemon ends with it")
     args = parser.parse_args()
+    if args.parent is not None:  # no lighthouse outlives the launcher that started it
+        die_with_parent(signal.SIGTERM, args.parent)
     from shoal.ft.engine import serve_lighthouse
 
     stop = threading.Event()

@@ -23,6 +23,7 @@ import traceback
 from typing import NoReturn
 
 from shoal.launch.forkserver import drop_server
+from shoal.runtime.parent import die_with_parent
 
 
 class ForkedCommand:
@@ -31,9 +32,10 @@ class ForkedCommand:
     def __init__(self, argv: list[str], env: dict[str, str]):
         for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
             stream.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _become(argv, env)
+            _become(argv, env, parent)
         self.pid = pid
         self.returncode: int | None = None
 
@@ -58,10 +60,14 @@ class ForkedCommand:
         self.send_signal(signal.SIGTERM)
 
 
-def _become(argv: list[str], env: dict[str, str]) -> NoReturn:
-    """In the child: run ``shoal ARGV`` and exit with its status; never returns."""
+def _become(argv: list[str], env: dict[str, str], parent: int) -> NoReturn:
+    """In the child of ``parent``: run ``shoal ARGV`` and exit with its status; never
+    returns."""
     code = 1
     try:
+        # A launcher SIGKILLed leaves no group behind: each stops its workers as on a
+        # SIGTERM (they save first, with a checkpoint_dir).
+        die_with_parent(signal.SIGTERM, parent)
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)

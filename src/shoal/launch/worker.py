@@ -10,7 +10,6 @@ file torch.distributed.elastic gives each worker, so the launcher can report it 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import faulthandler
 import gc
 import os
@@ -20,6 +19,7 @@ import sys
 import time
 
 from shoal.launch.frames import OWN_FRAMES, PID_FILE
+from shoal.runtime.parent import die_with_parent
 
 TYPE_CHECKING = False  # typing is not imported: the worker pays for every import
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ if __name__ != "__main__":
     # preloads this module, it is found before. (A worker started as a command needs none.)
     setproctitle.getproctitle()
 
-_PR_SET_PDEATHSIG = 1
 _PEER_WAIT_S = 2.0  # many times the agent's monitor interval
 
 
@@ -45,17 +44,6 @@ def _user_traceback(tb):
     while tb is not None and _is_own_frame(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return tb
-
-
-def _die_with_launcher() -> None:
-    # If the launcher itself is killed (SIGKILL cannot be caught), no worker may outlive it.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the elastic agent's own shutdown still applies
-    if os.getppid() == 1:
-        os._exit(1)  # the launcher died before prctl took effect
 
 
 def _run(argv: list[str]) -> dict:
@@ -155,7 +143,7 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
     # Run in place of a scheduler's task (shoal.launch.direct), no launcher is the parent:
     # a parent of pid 1 (tini, a container's init) is then no sign of a dead launcher.
     if os.environ.pop("SHOAL_IN_PLACE", None) != "1":
-        _die_with_launcher()
+        die_with_parent()  # no worker may outlive its launcher
     # Worker output goes to files: line buffering keeps it live and loses nothing on exit.
     # (typeshed types sys.stdout as a TextIO, which has no reconfigure: it is a TextIOWrapper)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
