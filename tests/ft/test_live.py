@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from shoal.checkpoint import CheckpointStore
 from shoal.examples.digits import build_data, build_model
 from tests.ft.runs import TIMEOUT, figures, final, pids, start_piped, step_metrics
-from tests.helpers import processes_with, states_equal
+from tests.helpers import states_equal
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.timeout(300)
@@ -312,33 +314,46 @@ def test_a_signal_to_one_process_of_a_group_at_a_quorum_stops_the_whole_group(tm
     assert "resumed from" in output and "(step 6, epoch 0, saved by 2 processes)" in output
 
 
+def _running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` still running (a zombie has ended)."""
+    left = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            if process.status() != psutil.STATUS_ZOMBIE:
+                left.append(process)
+    return left
+
+
 def test_a_launcher_killed_leaves_no_process_of_the_job(tmp_path):
     """`shoal run` SIGKILLed mid-run (it cannot stop its children itself): the kernel sends
     each replica group's launcher a SIGTERM, which stops its workers as a preemption does
-    (with a checkpoint_dir they save first), and the lighthouse stops too. (Before, all of
-    them went on without it, the lighthouse for good.)"""
+    (with a checkpoint_dir they save first), and the lighthouse stops too; so does every
+    other process the launcher started. (Before, the groups went on without it, and the
+    lighthouse for good.)"""
     out = tmp_path / "live"
     folder = tmp_path / "ckpt"
     run = _shoal_run(out, "--replica-groups", "2", steps=2000,
                      job=("--checkpoints", f"{folder}:1000", "--step-sleep", "0.02"))
-    markers = [str(out)]  # in the command line of each group's launcher and worker
+    job: list[psutil.Process] = []
     try:
-        address = re.search(r"lighthouse http://(\S+) ", run.stdout.readline().decode())
-        assert address is not None
-        markers.append(address.group(1))  # and the lighthouse's
         deadline = time.monotonic() + TIMEOUT  # a hang guard
         marker = out / "step.g0"
         while not (marker.exists() and int(marker.read_text()) >= 5):
             assert run.poll() is None and time.monotonic() < deadline, "no step 5"
             time.sleep(0.1)
+        job = psutil.Process(run.pid).children(recursive=True)
+        # the lighthouse, each group's launcher and its worker, and their servers
+        assert len(job) >= 5, [p.cmdline()[:4] for p in job]
         run.kill()
         run.wait()
-        while left := [p for marker in markers for p in processes_with(marker)]:
+        while left := _running(job):
             assert time.monotonic() < deadline, [p.cmdline()[:4] for p in left]
             time.sleep(0.1)
     finally:
-        for process in [p for marker in markers for p in processes_with(marker)]:
+        for process in _running(job):
             process.kill()
+        run.kill()
+        run.stdout.close()
     assert [p.name[:5] for p in folder.iterdir()] == ["step_"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +126,22 @@ def test_killing_the_launcher_leaves_no_worker(script):
     while processes_with(script.name) and time.time() < deadline:
         time.sleep(0.2)
     assert processes_with(script.name) == []
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
+def test_a_launcher_that_is_pid_1_runs_its_workers(script):
+    """`shoal run` as the first process of its pid namespace, as in a container started
+    without an init (a Kubernetes pod's command): its workers' parent is then pid 1, and
+    they run. (Before, each took a parent of pid 1 for a launcher that had died, and
+    exited with status 1 at once.)"""
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m",
+                          "shoal", "run", "--nproc-per-node", "2", str(script)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and out.stderr.startswith("unshare:"):
+        pytest.skip(f"no pid namespace here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(line.split(" env ")[0] for line in out.stdout.splitlines()
+                  if " env " in line) == ["[rank0]:", "[rank1]:"]
 
 
 def test_two_nodes_with_static_rendezvous_on_loopback(script):

@@ -65,12 +65,13 @@ def _become(argv: list[str], env: dict[str, str], parent: int) -> NoReturn:
     returns."""
     code = 1
     try:
-        # A launcher SIGKILLed leaves no group behind: each stops its workers as on a
-        # SIGTERM (they save first, with a checkpoint_dir).
-        die_with_parent(signal.SIGTERM, parent)
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # A launcher SIGKILLed leaves no group behind: each stops its workers as on a
+        # SIGTERM (they save first, with a checkpoint_dir). (After the handlers above: the
+        # parent's, inherited, would take that SIGTERM for one of its own.)
+        die_with_parent(signal.SIGTERM, parent)
         os.environ.clear()
         os.environ.update(env)
         drop_server()  # its parent's: this command makes its own

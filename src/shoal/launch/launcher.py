@@ -35,6 +35,7 @@ from shoal.runtime.compat import (
     rendezvous_join_delay,
     worker_store_port,
 )
+from shoal.runtime.parent import LAUNCHER_ENV
 
 SHUTDOWN_TIMEOUT_S = 60
 HANG_EXIT_CODE = 124  # as timeout(1)
@@ -289,6 +290,7 @@ def launch(spec: LaunchSpec) -> int:
         from shoal.launch.groups import launch_groups
 
         return launch_groups(spec)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers' parent (see die_with_parent)
     if spec.master_port is not None and spec.node_rank == 0 and _is_local(spec.master_addr):
         host = spec.master_addr if spec.master_addr != "localhost" else "127.0.0.1"
         check_port_free(host, spec.master_port)

@@ -19,7 +19,7 @@ import sys
 import time
 
 from shoal.launch.frames import OWN_FRAMES, PID_FILE
-from shoal.runtime.parent import die_with_parent
+from shoal.runtime.parent import die_with_parent, launcher_pid
 
 TYPE_CHECKING = False  # typing is not imported: the worker pays for every import
 if TYPE_CHECKING:
@@ -141,9 +141,11 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
     with. An uncaught exception ends the process here (status 1, or the signal of a
     KeyboardInterrupt, as ``python`` does)."""
     # Run in place of a scheduler's task (shoal.launch.direct), no launcher is the parent:
-    # a parent of pid 1 (tini, a container's init) is then no sign of a dead launcher.
+    # a parent of pid 1 (tini, a container's init) is then no sign of a dead launcher. A
+    # worker started as a command compares its parent with its launcher's pid (which is 1
+    # where the launcher is a container's first process); a forked one's is the server.
     if os.environ.pop("SHOAL_IN_PLACE", None) != "1":
-        die_with_parent()  # no worker may outlive its launcher
+        die_with_parent(parent=None if forked else launcher_pid())  # none outlives it
     # Worker output goes to files: line buffering keeps it live and loses nothing on exit.
     # (typeshed types sys.stdout as a TextIO, which has no reconfigure: it is a TextIOWrapper)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]

@@ -9,6 +9,8 @@ import os
 import signal
 
 _PR_SET_PDEATHSIG = 1
+LAUNCHER_ENV = "SHOAL_LAUNCHER_PID"
+"""The pid of the launcher that starts workers as commands (their parent)."""
 
 
 def die_with_parent(signum: int = signal.SIGKILL, parent: int | None = None) -> None:
@@ -25,3 +27,9 @@ def die_with_parent(signum: int = signal.SIGKILL, parent: int | None = None) -> 
         pass  # not Linux: the parent's own shutdown still applies
     if (os.getppid() == 1) if parent is None else (os.getppid() != parent):
         os._exit(1)  # the parent died before prctl took effect
+
+
+def launcher_pid() -> int | None:
+    """The pid of the launcher this process was started by as a command, where it says."""
+    value = os.environ.get(LAUNCHER_ENV, "")
+    return int(value) if value.isdigit() else None
