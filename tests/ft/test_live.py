@@ -248,9 +248,9 @@ def test_a_signal_saves_once_whichever_group_writes(tmp_path, case):
     - Policy 'available', group 0 SIGKILLed at step 6 with no restart left: group 1, which
       writes the checkpoints now, saves. (Before, a preemption signal was group 0's to act
       on: group 1 ended on it without a save.)
-    - Policy 'exact', groups of 2 processes (a quorum every step, where the signal often
-      finds a group waiting): group 0 saves, and group 1, whose writer is there, does not
-      save the step again."""
+    - Policy 'exact', groups of 2 processes (the signal reaches them at about the same
+      time, in a step or at a full quorum): group 0 saves, and group 1, whose writer is
+      there, does not save the step again."""
     out = tmp_path / "live"
     folder = tmp_path / "ckpt"
     flags = (("--ft-policy", "available", "--max-restarts", "0") if case.startswith("available")
@@ -276,6 +276,26 @@ def test_a_signal_saves_once_whichever_group_writes(tmp_path, case):
     _, _, meta = store.load(store.latest())
     assert meta["global_step"] == int(stops[0])
     assert [p.name for p in folder.iterdir()] == [f"step_{int(stops[0]):09d}"]
+
+
+def test_a_group_that_a_signal_reaches_a_step_later_does_not_save_that_step_again(
+        tmp_path, ddp_run):
+    """Policy 'exact': SIGTERM reaches group 0 in step 21 and group 1 in step 22 (signals
+    reach the processes of a job at slightly different times). Group 0 saves step 21 and
+    stops; group 1's step 22 fails for want of it, and group 1 stops at the quorum that
+    follows, holding step 21, which group 0 has saved: it does not save it again (before,
+    two lines said step 21 was saved). The job then starts again from step 21 (group 0
+    ended without a restart of its own) and ends bitwise equal to the run without
+    failures."""
+    live = tmp_path / "live"
+    output = _finish(_shoal_run(live, "--replica-groups", "2", "--max-restarts", "0",
+                                job=("--kill", "0:20:SIGTERM", "--kill", "1:21:SIGTERM",
+                                     "--checkpoints", f"{tmp_path / 'ckpt'}:1000")))
+    assert "replica group 1: step 22 did not commit" in output, output[-4000:]
+    assert re.findall(r"preempted by SIGTERM at step (\d+): checkpoint saved", output) \
+        == ["21"], output[-4000:]
+    assert "(step 21, epoch 0" in output, output[-4000:]  # where the restart resumed
+    assert _equals_ddp(live, ddp_run())
 
 
 @pytest.mark.parametrize("when", ["in the wait", "before the wait"])

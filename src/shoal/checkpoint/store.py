@@ -183,11 +183,20 @@ class CheckpointStore:
 
     def _committed_meanwhile(self, final: Path) -> bool:
         """Another writer committed ``final`` (complete) since this one began to save it."""
+        return self._committed_since(final, self._started)
+
+    def committed_since(self, step: int, since: float) -> bool:
+        """A complete checkpoint of ``step`` was committed at or after ``since`` (wall
+        clock): where several writers hold the same state at a step, one that finds it so
+        need not save it again."""
+        return self._committed_since(self.path_for(step), since)
+
+    def _committed_since(self, final: Path, since: float) -> bool:
         try:
             committed = final.stat().st_mtime  # (its last entry: the commit marker)
         except FileNotFoundError:
             return False
-        return committed >= self._started and self.problem(final) is None
+        return committed >= since and self.problem(final) is None
 
     def _prune(self) -> None:
         committed = self._step_dirs()

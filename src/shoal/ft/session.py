@@ -553,7 +553,8 @@ class LiveSession:
         checkpoints (``saves``) or the group that does may be the one missing: this group's
         last try of a step or meeting did not commit, or its wait has outlasted the
         lighthouse's heartbeat timeout. (Two groups may then save one step: the store keeps
-        the first.) In a group of several processes, what they agreed (``_agree``)."""
+        the first, and a group that finds it committed does not save it again.) In a group
+        of several processes, what they agreed (``_agree``)."""
         if self._saves_agreed is not None:
             return self._saves_agreed
         if self.replica.step == 0:

@@ -73,6 +73,7 @@ class Checkpointing:
         self.every_seconds = every_seconds
         self.saved_step = -1
         self.saved_at = time.monotonic()
+        self._opened = time.time()  # (wall clock, as a checkpoint's files are dated)
         self._requested = False  # a timed save was asked for and has not happened yet
         self.local = trainer.config.strategy in ("local_sgd", "diloco")
         # Collective, called by every rank first thing in a save (the step metrics' flush).
@@ -99,9 +100,21 @@ class Checkpointing:
             return
         self.save()
 
-    def _complete(self, step: int) -> bool:
-        """A complete checkpoint of ``step`` is there, as rank 0 sees it (collective)."""
-        found = [self.store.problem(self.store.path_for(step)) is None]
+    def saved_by_another(self) -> bool:
+        """A live replica group, stopped by a preemption signal: another group committed
+        this step's checkpoint while this process ran (collective). Every group holds the
+        same state at a step, and a signal may reach the groups a step apart: the one it
+        reaches later fails its next step for want of the other, which saved and stopped,
+        and need not save that step again."""
+        return bool(self.store.writer) and self._complete(self.trainer.state.global_step,
+                                                          since=self._opened)
+
+    def _complete(self, step: int, since: float | None = None) -> bool:
+        """A complete checkpoint of ``step`` is there (committed at or after ``since``, a
+        wall clock time, where given), as rank 0 sees it (collective)."""
+        store = self.store
+        found = [store.problem(store.path_for(step)) is None if since is None
+                 else store.committed_since(step, since)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(found, src=0)
         return bool(found[0])

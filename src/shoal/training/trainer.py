@@ -500,11 +500,15 @@ class Trainer:
         """Every rank of the group is here at the same step: save, then exit with 128 +
         signal. In a live job the group that saves does (``_saves``); stopped while it
         ``waited`` for the others at a quorum, also a group that holds the last step while
-        the group that saves may be the one missing (``LiveSession.saves_in_wait``)."""
+        the group that saves may be the one missing (``LiveSession.saves_in_wait``), unless
+        another group has saved that step since (``Checkpointing.saved_by_another``)."""
         assert self.checkpointing is not None  # preemption is watched only with checkpoints
         saves = self.live.saves_in_wait if waited and self.live is not None else self._saves
         if saves and self.checkpointing.saved_step != self.global_step:
-            self.checkpointing.save()
+            if self.checkpointing.saved_by_another():  # (live: another group's line says so)
+                saves = False
+            else:
+                self.checkpointing.save()
         self.checkpointing.store.wait()
         # the end-of-run table of this part of the run, in MLflow too
         self.recording.finish(show_summary=False)
