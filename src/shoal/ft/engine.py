@@ -12,6 +12,7 @@ raise inside backward) or after backward.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -161,6 +162,7 @@ class Replica:
             # The ManagerServer asks the lighthouse again (with backoff) when a request
             # fails: a lighthouse the launcher starts again is back within a second.
             quorum_retries=20)
+        self._manager._client = _UniqueQuorumIds(self._manager._client)
         self._alone = group_size == 1 and all(
             hasattr(self._manager, name) for name in _COMMIT_FIELDS)
         from torch.distributed import AllreduceOptions, ReduceOp
@@ -387,6 +389,32 @@ class Replica:
 
     def close(self) -> None:
         self._manager.shutdown(wait=False)
+
+
+class _UniqueQuorumIds:
+    """torchft's manager client, whose quorums' ids are made unique across lighthouses.
+
+    A manager configures a new process group only where a quorum's id differs from the
+    last one's, under a store prefix made of that id. A lighthouse started again (the
+    launcher does, on the same address) counts its ids from the start: a group that lived
+    through it may hold the very id of the new lighthouse's first quorum and keep its old
+    process group, which a replacement cannot join (about 50 s lost, then a failed step),
+    and a prefix could be used twice. The id each participant sees here is the
+    lighthouse's together with the participants' ids (a process's id is new at each
+    start), the same in every group of the quorum."""
+
+    def __init__(self, client: Any):
+        self._client = client
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        members = ",".join(sorted(quorum.replica_ids))
+        key = f"{quorum.quorum_id}/{members}".encode()
+        quorum.quorum_id = int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "big")
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
