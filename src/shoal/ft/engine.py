@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -116,6 +117,9 @@ def _heal_transport(host: str, timeout: timedelta) -> Any:
     return _Transport(timeout=timeout, num_chunks=0)
 
 
+_RETRY_EVERY_S = 0.25
+"""How often a manager asks a lighthouse that did not answer again (see ``Replica``)."""
+
 # What a one-process group's local commit vote reads and sets in torchft's Manager (its
 # should_commit does the same, then waits for the group's other ranks).
 _COMMIT_FIELDS = ("_recovery_event", "_pg", "_healing", "_apply_pending_state_dict",
@@ -145,6 +149,7 @@ class Replica:
         self._leads = False  # this group comes first in it
         self._load = load
         exact = c.policy == "exact"
+        quorum_wait = c.replacement_timeout_s if exact else c.step_timeout_s
         self._manager = Manager(
             pg=torchft.ProcessGroupGloo(timeout=step),
             checkpoint_transport=_heal_transport(place.host, step),
@@ -152,16 +157,17 @@ class Replica:
             # exact: a step commits only with every group in it.
             min_replica_size=place.groups if exact else 1,
             use_async_quorum=False, timeout=step,
-            quorum_timeout=timedelta(seconds=c.replacement_timeout_s if exact
-                                     else c.step_timeout_s),
+            quorum_timeout=timedelta(seconds=quorum_wait),
             connect_timeout=step, rank=group_rank, world_size=group_size,
             lighthouse_addr=place.lighthouse, replica_id=f"shoal_group_{place.group}",
             hostname=place.host, init_sync=True,
             # Five beats a timeout: one late beat does not drop a group.
             heartbeat_interval=timedelta(milliseconds=c.heartbeat_timeout_ms / 5),
-            # The ManagerServer asks the lighthouse again (with backoff) when a request
-            # fails: a lighthouse the launcher starts again is back within a second.
-            quorum_retries=20)
+            # The ManagerServer asks the lighthouse again when a request fails, after the
+            # quorum's timeout divided by retries + 1 (at least 0.1 s): with 20 retries,
+            # 5.7 s under 'exact'. A lighthouse the launcher starts again is back within a
+            # second: asked again every quarter of a second, it is met at once.
+            quorum_retries=max(20, math.ceil(quorum_wait / _RETRY_EVERY_S)))
         self._manager._client = _UniqueQuorumIds(self._manager._client)
         self._alone = group_size == 1 and all(
             hasattr(self._manager, name) for name in _COMMIT_FIELDS)
