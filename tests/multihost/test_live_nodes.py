@@ -135,22 +135,25 @@ def test_exact_host_0_lost_with_the_lighthouse_comes_back_and_equals_ddp(make_ho
     """Policy exact: host 0 SIGKILLed mid-run, and with it the lighthouse its launcher ran:
     host 1's group waits in memory, asking for a quorum; `shoal run` started again on host 0
     starts the lighthouse again, its group heals from host 1's, and both end bitwise equal
-    to a 2-process DDP run without failures. (Host 1 lost and started again heals the same
-    way: test_exact_group_lost_for_good_its_node_stops_and_comes_back.)"""
+    to a 2-process DDP run without failures. Host 1's group does the step it was in again,
+    once, and the replacement's first step commits. (Before, the new lighthouse's first
+    quorum had the id host 1's group held from the old one: that group kept its closed
+    process group and failed the step again, and the replacement sat its first step out
+    until the step's deadline. Host 1 lost and started again heals the same way:
+    test_exact_group_lost_for_good_its_node_stops_and_comes_back.)"""
     reference = tmp_path / "ddp"
     ddp = _shoal_run(reference, "--nproc-per-node", "2")
     hosts = make_hosts(2)
     out = tmp_path / "live"
     out.mkdir()
-    # --ft-step-timeout 5 (default 10): what the replacement's first step sits out before it
-    # heals; a step across groups takes milliseconds here.
-    nodes = [_start(hosts, r, out, "--ft-step-timeout", "5") for r in range(2)]
+    nodes = [_start(hosts, r, out) for r in range(2)]
     _wait_for_step(out, 8, hosts, nodes)
     _kill_host(hosts, 0)
     nodes[0].communicate()
-    again = _start(hosts, 0, out, "--ft-step-timeout", "5")
+    again = _start(hosts, 0, out)
     outputs = [again.communicate(timeout=400)[0], nodes[1].communicate(timeout=100)[0]]
     assert [again.returncode, nodes[1].returncode] == [0, 0], outputs
+    assert [output.count("did not commit") for output in outputs] == [0, 1], outputs
     assert "replica group 0: healed from a live group at step" in outputs[0], outputs[0]
     assert not (out / "pid.g1.a1.r0").exists()  # host 1's group was never restarted
     assert all(final(out, group)["step"] == STEPS for group in (0, 1))
