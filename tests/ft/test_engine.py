@@ -5,12 +5,14 @@ collective whose future fails, a process group that is gone, a step already erro
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 pytest.importorskip("torchft")
 
-from shoal.ft.engine import Replica  # noqa: E402 - after the skip
+from shoal.ft.engine import Replica, _UniqueQuorumIds  # noqa: E402 - after the skip
 
 
 def _future(value=None, error: Exception | None = None) -> torch.futures.Future:
@@ -135,3 +137,33 @@ def test_an_error_in_then_comes_out_of_the_future_not_where_the_sum_started():
         future = _replica(pg, errored).start_sum(torch.ones(2), then=then)  # no raise here
         with pytest.raises(RuntimeError, match="the callback's own error"):
             future.wait()
+
+
+class _Lighthouse:
+    """What a manager's client says of each quorum: the lighthouse's id, the members, the
+    step."""
+
+    def __init__(self, answers: list[tuple[int, list[str], int]]):
+        self.answers = answers
+
+    def _quorum(self, **_):
+        quorum_id, members, step = self.answers.pop(0)
+        return SimpleNamespace(quorum_id=quorum_id, replica_ids=members, max_step=step)
+
+
+def test_a_lighthouse_started_again_gives_quorum_ids_never_seen_before():
+    """A lighthouse started again counts its quorums' ids from 1 again. The ids a manager
+    sees stay the same while the lighthouse's id and the members do (its process group is
+    kept), are new after a new lighthouse's first quorum, also with the same members (a
+    process group under a store prefix used before could read an address of the past), and
+    are the same in a survivor and a replacement that meet there."""
+    group_0, group_1, replacement = "shoal_group_0:a", "shoal_group_1:b", "shoal_group_1:c"
+    same, joined = [group_0, group_1], [group_0, replacement]
+    survivor = _UniqueQuorumIds(_Lighthouse([
+        (1, same, 0), (1, same, 5), (2, same, 7),  # a failed commit: a new id
+        (1, same, 9),  # the lighthouse started again: the same members
+        (2, joined, 12)]))  # a group killed: its replacement joins
+    ids = [survivor._quorum().quorum_id for _ in range(5)]
+    assert ids[0] == ids[1] and len(set(ids)) == 4, ids
+    newcomer = _UniqueQuorumIds(_Lighthouse([(2, joined, 12)]))
+    assert newcomer._quorum().quorum_id == ids[4]

@@ -405,18 +405,24 @@ class _UniqueQuorumIds:
     launcher does, on the same address) counts its ids from the start: a group that lived
     through it may hold the very id of the new lighthouse's first quorum and keep its old
     process group, which a replacement cannot join (about 50 s lost, then a failed step),
-    and a prefix could be used twice. The id each participant sees here is the
-    lighthouse's together with the participants' ids (a process's id is new at each
-    start), the same in every group of the quorum."""
+    or configure one under a prefix the store has held since the job began. The id here
+    is new where the lighthouse's id or the members changed since this process's last
+    quorum (a process's member id is new at each start), made of both and the quorum's
+    step: the same in every group of the quorum, and not one a store saw before."""
 
     def __init__(self, client: Any):
         self._client = client
+        self._last: tuple[int, list[str]] | None = None  # the lighthouse's id, the members
+        self._id = -1
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         quorum = self._client._quorum(*args, **kwargs)
-        members = ",".join(sorted(quorum.replica_ids))
-        key = f"{quorum.quorum_id}/{members}".encode()
-        quorum.quorum_id = int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "big")
+        seen = (quorum.quorum_id, sorted(quorum.replica_ids))
+        if seen != self._last:
+            self._last = seen
+            key = f"{seen[0]}/{quorum.max_step}/{','.join(seen[1])}".encode()
+            self._id = int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "big")
+        quorum.quorum_id = self._id
         return quorum
 
     def __getattr__(self, name: str) -> Any:
