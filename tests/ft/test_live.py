@@ -145,6 +145,7 @@ def test_without_failures_the_groups_ask_the_lighthouse_once(tmp_path, ddp_run):
                                 job=("--quorum-every", "3600",
                                      "--metrics", str(tmp_path / "metrics"))))
     assert [figures(live, group)["quorums"] for group in (0, 1)] == [1, 1], output[-4000:]
+    assert "trained apart" not in output
     # Group 0 comes first in the quorum: it would write the checkpoints, group 1 not.
     assert [figures(live, group)["saves"] for group in (0, 1)] == [True, False]
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
@@ -280,6 +281,26 @@ def test_a_signal_saves_once_whichever_group_writes(tmp_path, case):
     _, _, meta = store.load(store.latest())
     assert meta["global_step"] == int(stops[0])
     assert [p.name for p in folder.iterdir()] == [f"step_{int(stops[0]):09d}"]
+
+
+def test_a_script_without_the_trainer_is_told_its_groups_trained_apart(tmp_path):
+    """A torchrun script (it sets up torch.distributed and DDP itself) under
+    `--replica-groups 2`: each group is a job of its own, which never meets the other. One
+    line says so as the script ends (before, nothing did: two trainings apart, exit 0)."""
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))\n"
+        "model(torch.ones(2, 4)).sum().backward()\n"
+        "print('world', dist.get_world_size())\n"
+        "dist.destroy_process_group()\n")
+    run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
+                       str(script)])
+    output = _finish(run)
+    assert output.count("[rank0]: world 1") == 2, output
+    assert output.count("its 2 replica groups trained apart, each a job of its own") == 1, \
+        output
 
 
 def test_a_group_that_a_signal_reaches_a_step_later_does_not_save_that_step_again(

@@ -18,6 +18,9 @@ ENV_CONFIG = "SHOAL_FT_CONFIG"
 ENV_GROUP = "SHOAL_FT_GROUP"
 ENV_LIGHTHOUSE = "SHOAL_FT_LIGHTHOUSE"
 ENV_HOST = "SHOAL_FT_HOST"
+# What a worker sets in its own environment once it opens a live session (a script that
+# ends without one trained its group apart from the others: ``shoal.launch.worker``).
+ENV_OPENED = "SHOAL_FT_OPENED"
 
 
 # Settings that only the workers read: a Trainer may set them itself under `shoal run`.

@@ -35,7 +35,7 @@ import torch
 
 from shoal.errors import Preempted
 from shoal.ft.across import AcrossGroups, Carried, TopKAcrossGroups
-from shoal.ft.config import ReplicaPlace
+from shoal.ft.config import ENV_OPENED, ReplicaPlace
 from shoal.ft.engine import Quorum
 from shoal.ft.rounds import Rounds, gather_blobs, serialized
 from shoal.ft.step import (
@@ -133,6 +133,7 @@ class LiveSession:
         except RuntimeError as exc:  # torchft's: the lighthouse does not answer
             raise LiveError(f"replica group {place.group}: cannot join the replica groups "
                             f"({str(exc).splitlines()[0][:200]})") from None
+        os.environ[ENV_OPENED] = "1"
 
     def _send(self) -> dict:
         if self.rounds.state is not None:  # 'exact': the last meeting's or hand-over's

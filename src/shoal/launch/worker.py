@@ -183,9 +183,28 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
         os._exit(1)
     if status == 0:
         _shut_down(namespace)
+        _say_if_trained_apart()
     atexit._run_exitfuncs()
     _flush()
     return status
+
+
+def _say_if_trained_apart() -> None:
+    """A live job's script that ended well without opening a live session (one that sets up
+    torch.distributed itself): each replica group was a job of its own, and none heard of
+    the others. Said once, by group 0's first rank."""
+    # (shoal.ft.config's ENV_GROUP and ENV_OPENED: not imported where the job is not live)
+    if "SHOAL_FT_GROUP" not in os.environ or os.environ.get("SHOAL_FT_OPENED"):
+        return
+    from shoal.ft.config import ReplicaPlace
+
+    place = ReplicaPlace.from_environ()
+    if place is None or place.group != 0 or os.environ.get("RANK", "0") != "0":
+        return
+    print(f"shoal: the script ended without meeting the other replica groups (shoal.Trainer "
+          f"meets them at each step): its {place.groups} replica groups trained apart, each "
+          "a job of its own. A script that sets up torch.distributed itself has no live "
+          "recovery: run it without --replica-groups", file=sys.stderr, flush=True)
 
 
 def main() -> None:
