@@ -283,6 +283,35 @@ def test_a_signal_saves_once_whichever_group_writes(tmp_path, case):
     assert [p.name for p in folder.iterdir()] == [f"step_{int(stops[0]):09d}"]
 
 
+def test_a_signal_while_a_replacement_redoes_its_steps_saves_once(tmp_path):
+    """Policy 'exact' under topk (a hand-over every 10 steps): group 0 SIGKILLed in step
+    18; its replacement heals from the hand-over at step 10 and redoes steps 11 to 17 alone
+    (0.3 s each) while group 1 waits for it at the quorum, and SIGTERM to `shoal run`
+    comes then. Group 1 saves step 17, which it holds, and the replacement, which is at a
+    step before it, does not save (before, it saved the step it was redoing too: two lines,
+    two checkpoints)."""
+    out = tmp_path / "live"
+    folder = tmp_path / "ckpt"
+    run = _shoal_run(out, "--replica-groups", "2", "--max-restarts", "1", steps=60,
+                     job=("--compression", "topk", "--share", "1", "--kill", "0:17",
+                          "--step-sleep", "0.3", "--checkpoints", f"{folder}:1000"))
+    seen = ""
+    try:
+        while "redoes steps 11 to 17 alone" not in seen:  # (the test's timeout: a hang guard)
+            line = run.stdout.readline().decode()
+            assert line, seen[-4000:]
+            seen += line
+        time.sleep(0.3)  # in the replacement's second step of the seven
+        run.send_signal(signal.SIGTERM)
+        output = seen + run.communicate(timeout=TIMEOUT)[0].decode()
+    finally:
+        run.kill()
+    assert run.returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert re.findall(r"preempted by SIGTERM at step (\d+): checkpoint saved", output) \
+        == ["17"], output[-4000:]
+    assert [p.name for p in folder.iterdir()] == ["step_000000017"]
+
+
 def test_a_script_without_the_trainer_is_told_its_groups_trained_apart(tmp_path):
     """A torchrun script (it sets up torch.distributed and DDP itself) under
     `--replica-groups 2`: each group is a job of its own, which never meets the other. One

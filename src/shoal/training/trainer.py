@@ -501,9 +501,13 @@ class Trainer:
         signal. In a live job the group that saves does (``_saves``); stopped while it
         ``waited`` for the others at a quorum, also a group that holds the last step while
         the group that saves may be the one missing (``LiveSession.saves_in_wait``), unless
-        another group has saved that step since (``Checkpointing.saved_by_another``)."""
+        another group has saved that step since (``Checkpointing.saved_by_another``). A
+        group that redoes its steps alone ('exact', a replacement) does not: the others
+        wait for it at the quorum, holding a later step, and save that."""
         assert self.checkpointing is not None  # preemption is watched only with checkpoints
         saves = self.live.saves_in_wait if waited and self.live is not None else self._saves
+        if self.live is not None and self.live.redone:
+            saves = False  # redoing its steps alone: the others wait at a later one, and save
         if saves and self.checkpointing.saved_step != self.global_step:
             if self.checkpointing.saved_by_another():  # (live: another group's line says so)
                 saves = False
