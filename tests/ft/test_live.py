@@ -312,11 +312,9 @@ def test_a_signal_while_a_replacement_redoes_its_steps_saves_once(tmp_path):
     assert [p.name for p in folder.iterdir()] == ["step_000000017"]
 
 
-def test_a_script_without_the_trainer_is_told_its_groups_trained_apart(tmp_path):
-    """A torchrun script (it sets up torch.distributed and DDP itself) under
-    `--replica-groups 2`: each group is a job of its own, which never meets the other. One
-    line says so as the script ends (before, nothing did: two trainings apart, exit 0)."""
-    script = tmp_path / "plain.py"
+def _torchrun_script(folder: Path) -> Path:
+    """A torchrun script: it sets up torch.distributed and DDP itself."""
+    script = folder / "plain.py"
     script.write_text(
         "import torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
@@ -324,12 +322,30 @@ def test_a_script_without_the_trainer_is_told_its_groups_trained_apart(tmp_path)
         "model(torch.ones(2, 4)).sum().backward()\n"
         "print('world', dist.get_world_size())\n"
         "dist.destroy_process_group()\n")
+    return script
+
+
+def test_a_script_without_the_trainer_is_told_its_groups_trained_apart(tmp_path):
+    """A torchrun script under `--replica-groups 2`: each group is a job of its own, which
+    never meets the other. One line says so as the script ends (before, nothing did: two
+    trainings apart, exit 0)."""
     run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
-                       str(script)])
+                       str(_torchrun_script(tmp_path))])
     output = _finish(run)
     assert output.count("[rank0]: world 1") == 2, output
     assert output.count("its 2 replica groups trained apart, each a job of its own") == 1, \
         output
+
+
+def test_the_groups_show_their_workers_as_torchruns_flags_say(tmp_path):
+    """torchrun's flags for the elastic agent reach every replica group's launcher (before,
+    they were dropped: the groups showed their lines as by default)."""
+    run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
+                       "--log-line-prefix-template", "${role_name}/${rank}> ",
+                       str(_torchrun_script(tmp_path))])
+    output = _finish(run)
+    assert output.count("default/0> world 1") == 2, output
+    assert "[rank0]" not in output, output
 
 
 def test_a_group_that_a_signal_reaches_a_step_later_does_not_save_that_step_again(

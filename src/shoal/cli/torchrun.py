@@ -170,7 +170,12 @@ def apply_torchrun_rendezvous(args: argparse.Namespace) -> None:
 
 
 def agent_options(args: argparse.Namespace) -> AgentOptions:
-    """The elastic agent's settings that torchrun's flags give, passed on as given."""
+    """The elastic agent's settings that torchrun's flags give, passed on as given (a
+    replica group's launcher: those of the live job's flags)."""
+    given = AgentOptions.from_environ()
+    if given is not None:
+        return given
+
     def get(name: str, default=None):
         value = getattr(args, name, None)
         return default if value is None else value

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from shoal.errors import UsageError
@@ -38,6 +39,9 @@ def resolve_nproc(value: int | str) -> int:
                 f"{value!r}"
             ) from None
     return value
+
+
+_AGENT_ENV = "SHOAL_AGENT_OPTIONS"  # (AgentOptions.environ)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,23 @@ class AgentOptions:
     """Each worker sees LOCAL_RANK 0 and only its own GPU."""
     rdzv_conf: dict = field(default_factory=dict)
     """More settings of the c10d rendezvous (``--rdzv-conf``: join_timeout, ...)."""
+
+    def environ(self) -> dict[str, str]:
+        """These settings for a replica group's launcher (``from_environ``): a live job's
+        groups show and stop their workers as the job's flags say."""
+        return {_AGENT_ENV: json.dumps(asdict(self))}
+
+    @classmethod
+    def from_environ(cls) -> AgentOptions | None:
+        """The settings a live job's launcher handed this group's launcher (taken out of
+        the environment: its workers do not get them), or None."""
+        given = os.environ.pop(_AGENT_ENV, None)
+        if given is None:
+            return None
+        fields = json.loads(given)
+        for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+            fields[name] = tuple(fields[name])
+        return cls(**fields)
 
     def __post_init__(self) -> None:
         from torch.distributed.elastic.multiprocessing import Std
