@@ -168,30 +168,24 @@ class CheckpointStore:
             _write_json(partial / META, record)
             files = {p.name: p.stat().st_size for p in sorted(partial.iterdir())}
             _write_json(partial / COMMIT, {"step": record["step"], "files": files})
-            if self.writer and self._committed_meanwhile(final):
+            if self.writer and self.committed_since(record["step"], self._started):
                 shutil.rmtree(partial, ignore_errors=True)
             else:  # (a step saved again: the new save replaces the one there)
                 shutil.rmtree(final, ignore_errors=True)
                 try:
                     os.replace(partial, final)
                 except OSError:
-                    if not self._committed_meanwhile(final):
+                    if not self.committed_since(record["step"], self._started):
                         raise
                     shutil.rmtree(partial, ignore_errors=True)
             self._prune()
         _barrier()
 
-    def _committed_meanwhile(self, final: Path) -> bool:
-        """Another writer committed ``final`` (complete) since this one began to save it."""
-        return self._committed_since(final, self._started)
-
     def committed_since(self, step: int, since: float) -> bool:
         """A complete checkpoint of ``step`` was committed at or after ``since`` (wall
-        clock): where several writers hold the same state at a step, one that finds it so
-        need not save it again."""
-        return self._committed_since(self.path_for(step), since)
-
-    def _committed_since(self, final: Path, since: float) -> bool:
+        clock): another writer's, where several hold the same state at a step (this one
+        need not save it, or keeps the first commit)."""
+        final = self.path_for(step)
         try:
             committed = final.stat().st_mtime  # (its last entry: the commit marker)
         except FileNotFoundError:
