@@ -312,11 +312,6 @@ def test_a_signal_while_a_replacement_redoes_its_steps_saves_once(tmp_path):
     assert [p.name for p in folder.iterdir()] == ["step_000000017"]
 
 
-# Known, not yet fixed: a group's worker forked from the preloaded server sometimes does not
-# exit after this script (2 of 6 and 1 of 2 runs here; none in 15 with new processes).
-_FRESH_WORKERS = ("--no-preload",)
-
-
 def _torchrun_script(folder: Path) -> Path:
     """A torchrun script: it sets up torch.distributed and DDP itself."""
     script = folder / "plain.py"
@@ -335,7 +330,7 @@ def test_a_script_without_the_trainer_is_told_its_groups_trained_apart(tmp_path)
     never meets the other. One line says so as the script ends (before, nothing did: two
     trainings apart, exit 0)."""
     run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
-                       *_FRESH_WORKERS, str(_torchrun_script(tmp_path))])
+                       str(_torchrun_script(tmp_path))])
     output = _finish(run)
     assert output.count("[rank0]: world 1") == 2, output
     assert output.count("its 2 replica groups trained apart, each a job of its own") == 1, \
@@ -346,7 +341,7 @@ def test_the_groups_show_their_workers_as_torchruns_flags_say(tmp_path):
     """torchrun's flags for the elastic agent reach every replica group's launcher (before,
     they were dropped: the groups showed their lines as by default)."""
     run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
-                       *_FRESH_WORKERS, "--log-line-prefix-template", "${role_name}/${rank}> ",
+                       "--log-line-prefix-template", "${role_name}/${rank}> ",
                        str(_torchrun_script(tmp_path))])
     output = _finish(run)
     assert output.count("default/0> world 1") == 2, output
