@@ -125,6 +125,10 @@ def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
     assert output.count("did not commit") == 1, output[-6000:]
     assert "replica group 0: step 7 did not commit" in output
     assert "replica group 1: healed from a live group at step 6" in output
+    # Each group's launcher and workers name their group (before: "shoal: attempt 1 of 2
+    # failed: rank 0 ..." and "[rank0]: " in both groups).
+    assert "shoal: replica group 1: attempt 1 of 2 failed: rank 0 killed by SIGKILL" in output
+    assert "[group0 rank0]: " in output and "[rank0]" not in output
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
     # The replacement took the survivor's loss sums with its state: the epoch's figure
@@ -332,7 +336,8 @@ def test_a_script_without_the_trainer_is_told_its_groups_trained_apart(tmp_path)
     run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
                        str(_torchrun_script(tmp_path))])
     output = _finish(run)
-    assert output.count("[rank0]: world 1") == 2, output
+    assert output.count("[group0 rank0]: world 1") == output.count(
+        "[group1 rank0]: world 1") == 1, output
     assert output.count("its 2 replica groups trained apart, each a job of its own") == 1, \
         output
 

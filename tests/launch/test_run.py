@@ -103,6 +103,8 @@ def test_failed_worker_is_named_and_nothing_is_left(script, mode, cause, code):
         assert "Traceback of rank 1:" in out.stderr
         assert "ValueError: injected failure on rank 1" in out.stderr
         assert "shoal/launch/worker.py" not in out.stderr.split("Traceback of rank 1:")[1]
+    if mode == "kill":  # rank 0 lost its peer: a line says so, without its traceback
+        assert "Traceback" not in out.stderr, out.stderr
     if mode == "exit3":  # a rank that chose to exit: where, without a traceback
         assert f"rank 1 called sys.exit at {script}:" in out.stderr
         assert "Traceback of rank 1" not in out.stderr

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+import string
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from shoal.errors import UsageError
@@ -42,6 +43,8 @@ def resolve_nproc(value: int | str) -> int:
 
 
 _AGENT_ENV = "SHOAL_AGENT_OPTIONS"  # (AgentOptions.environ)
+# A live job's workers' lines: each group's ranks start from 0, as in a job of its own.
+GROUP_PREFIX = "[group${replica_group} rank${rank}]: "
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class AgentOptions:
     """Show only these local ranks' output (``0,2``); None: all."""
     log_line_prefix_template: str = "[rank${rank}]: "
     """The prefix of each shown line: ${rank}, ${local_rank}, ${role_name} and ${hostname}
-    are substituted per worker."""
+    are substituted per worker, and ${replica_group} in live mode (whose default,
+    ``GROUP_PREFIX``, names the group)."""
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     """Lines holding one of these are also copied to a file of their own (torch 2.13 on)."""
@@ -80,6 +84,15 @@ class AgentOptions:
     """Each worker sees LOCAL_RANK 0 and only its own GPU."""
     rdzv_conf: dict = field(default_factory=dict)
     """More settings of the c10d rendezvous (``--rdzv-conf``: join_timeout, ...)."""
+
+    def for_group(self, group: int) -> AgentOptions:
+        """These settings for live mode's replica group ``group``: its workers' lines name
+        the group (torchrun's default prefix becomes ``GROUP_PREFIX``)."""
+        template = self.log_line_prefix_template
+        if template == AgentOptions.log_line_prefix_template:
+            template = GROUP_PREFIX
+        return replace(self, log_line_prefix_template=string.Template(template).safe_substitute(
+            replica_group=group))
 
     def environ(self) -> dict[str, str]:
         """These settings for a replica group's launcher (``from_environ``): a live job's

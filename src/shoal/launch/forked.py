@@ -24,6 +24,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
 from shoal.launch.forkserver import forget_ended_server, start_server
+from shoal.launch.output import shoal_says
 
 _SERVER_EXIT_WAIT_S = 5.0  # a server that broke off a start is dying: it ends within this
 # The server is started this long after the first workers, so that its imports do not slow
@@ -122,7 +123,7 @@ def _count_a_clean_exit_as_finished() -> bool:
 def _say_replaced(ended: tuple[int, str] | None) -> None:
     if ended is not None:
         pid, how = ended
-        sys.stderr.write(f"shoal: the workers' server (shoal forkserver, pid {pid}) {how}: "
+        sys.stderr.write(f"{shoal_says()}the workers' server (shoal forkserver, pid {pid}) {how}: "
                          "a new one starts this attempt's workers\n")
         sys.stderr.flush()
 

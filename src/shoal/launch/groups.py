@@ -128,7 +128,7 @@ class _GroupJob:
         g = self.groups
         self.children = [
             ForkedCommand(_group_command(self.spec, group, g.host), env={
-                **os.environ, FORK_FIRST_ENV: "1", **self.spec.agent.environ(),
+                **os.environ, FORK_FIRST_ENV: "1", **self.spec.agent.for_group(group).environ(),
                 **ReplicaPlace(group, g.total, self.address, self.config, g.host).environ()})
             for group in g.indices]
 

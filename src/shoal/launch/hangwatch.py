@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shoal.launch.output import shoal_says
 from shoal.runtime import heartbeat
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -72,7 +73,7 @@ def locate(rank: int, step: int, dump: str) -> RankPosition:
 def report(positions: list[RankPosition], timeout: float) -> str:
     outside = [p for p in positions if p.collective is None]
     inside = [p for p in positions if p.collective is not None]
-    lines = [f"shoal: hang: no rank made progress for {timeout:g} s"]
+    lines = [f"{shoal_says()}hang: no rank made progress for {timeout:g} s"]
     kinds = {p.collective for p in inside if p.collective is not None}
     if outside and inside:
         lines.append("  stuck: rank " + ", ".join(str(p.rank) for p in outside)

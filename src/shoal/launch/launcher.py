@@ -23,7 +23,7 @@ from shoal.launch.forkserver import drop_server
 from shoal.launch.hangwatch import HangWatch
 from shoal.launch.network import choose_interface
 from shoal.launch.nodes import NodeWatch
-from shoal.launch.output import OutputRelay
+from shoal.launch.output import OutputRelay, shoal_says
 from shoal.launch.ports import check_port_free, free_port
 from shoal.launch.restarts import RestartLog
 from shoal.launch.summary import report_failure
@@ -321,16 +321,16 @@ def launch(spec: LaunchSpec) -> int:
             if relay is not None:
                 relay.stop()  # every line shown before what the launcher says of the end
     except SignalException as exc:
-        sys.stderr.write(f"shoal: stopped by {signal.Signals(exc.sigval).name}: the signal "
+        sys.stderr.write(f"{shoal_says()}stopped by {signal.Signals(exc.sigval).name}: the signal "
                          "went on to the workers (a Trainer with a checkpoint_dir saves "
                          f"first). Per-rank logs: {log_dir}\n")
         return 128 + exc.sigval
     except ChildFailedError as failed:
         if watch is not None and watch.report is not None:
             # The report itself was printed when the hang was found.
-            sys.stderr.write("shoal: the job was stopped by the hang watch (--hang-timeout). "
-                             f"Every rank's stack: {log_dir}/heartbeats/rank*.stack; "
-                             f"per-rank logs: {log_dir}\n")
+            sys.stderr.write(f"{shoal_says()}the job was stopped by the hang watch "
+                             f"(--hang-timeout). Every rank's stack: "
+                             f"{log_dir}/heartbeats/rank*.stack; per-rank logs: {log_dir}\n")
             return HANG_EXIT_CODE
         # The logs stay: the summary points to them.
         return report_failure(failed, log_dir, first_rank=spec.node_rank * spec.nproc_per_node,

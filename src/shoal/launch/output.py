@@ -63,6 +63,15 @@ class _File:
         return rest + (b"\n" if rest and not rest.endswith(b"\n") else b"")
 
 
+def shoal_says() -> str:
+    """How the launcher's own lines begin: ``shoal: ``, and in the launcher of a live job's
+    replica group ``shoal: replica group G: `` (each group's launcher speaks of its own
+    workers, and they all speak at once)."""
+    # (shoal.ft.config's ENV_GROUP: not imported where the job is not live)
+    group = os.environ.get("SHOAL_FT_GROUP")
+    return "shoal: " if group is None else f"shoal: replica group {group}: "
+
+
 class OutputRelay(threading.Thread):
     """Shows the lines of every rank of the newest attempt under ``log_dir``.
 

@@ -26,6 +26,7 @@ from dataclasses import asdict
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from shoal.launch.output import shoal_says
 from shoal.launch.summary import classify, collect_failures, root_cause
 from shoal.runtime.restarts import RESTARTS_FILE_ENV, AttemptFailure
 
@@ -73,7 +74,7 @@ class RestartLog:
         self.attempts.append(told)
         with open(self.path, "a") as f:
             f.write(json.dumps(asdict(told)) + "\n")
-        sys.stderr.write(f"shoal: attempt {told.attempt} of {self.max_restarts + 1} failed: "
+        sys.stderr.write(f"{shoal_says()}attempt {told.attempt} of {self.max_restarts + 1} failed: "
                          f"{told.describe()}; restarting all workers "
                          f"({_plural(left - 1, 'restart')} left)\n")
         sys.stderr.flush()

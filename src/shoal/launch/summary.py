@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from shoal.launch.frames import OWN_FRAMES, PID_FILE
+from shoal.launch.output import shoal_says
 from shoal.runtime.restarts import AttemptFailure
 
 if TYPE_CHECKING:  # rich is imported when a summary is printed: it takes 70 ms to import
@@ -88,6 +89,15 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote wo
 _SOURCE_PATH = re.compile(r"\[/[^\]]*\] ")
 
 
+def peer_lost(message: str) -> str | None:
+    """The first line of an error that says a peer is gone, without gloo's source path and
+    advice; None for any other error."""
+    if not any(marker in message for marker in PEER_LOST):
+        return None
+    first = _SOURCE_PATH.sub("", message.splitlines()[0])
+    return first.split(". This is typically caused by", 1)[0]
+
+
 @dataclass(frozen=True)
 class Cause:
     """How one rank ended, as the summary tells it."""
@@ -131,9 +141,9 @@ def classify(failure: ProcessFailure) -> Cause:
         if code.lstrip("-").isdigit():
             return Cause(f"exit code {int(code) & 0xFF}", int(code) & 0xFF or 1, own=True)
         return Cause(f"exit code 1 (sys.exit: {code})", 1, own=True)
-    if message and any(marker in message for marker in PEER_LOST):
-        first = _SOURCE_PATH.sub("", message.splitlines()[0])
-        return Cause(f"lost its connection to a failed rank: {first}", 1, own=False)
+    lost = peer_lost(message)
+    if lost is not None:
+        return Cause(f"lost its connection to a failed rank: {lost}", 1, own=False)
     if message:
         return Cause(f"raised {_raised(failure, message)}", 1, own=True)
     if failure.exitcode == -signal.SIGTERM:
@@ -216,8 +226,9 @@ def report_failure(failed: ChildFailedError, log_dir: str, first_rank: int = 0,
         cause = replace(cause, text=cause.text.replace(
             "a failed rank", f"a failed rank on node {lost}", 1))
     pid = f", pid {root.pid}" if root.pid else ""
-    console.print(f"[bold red]shoal: rank {root_rank} failed first[/] ({escape(cause.text)}; "
-                  f"local rank {root.local_rank}{pid})", markup=True, soft_wrap=True)
+    console.print(f"[bold red]{escape(shoal_says())}rank {root_rank} failed first[/] "
+                  f"({escape(cause.text)}; local rank {root.local_rank}{pid})", markup=True,
+                  soft_wrap=True)
     for rank in sorted(r for r in failures if r != root_rank):
         console.print(f"  rank {rank}: {classify(failures[rank]).text}",
                       markup=False, soft_wrap=True)

@@ -188,12 +188,8 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
         exc.__traceback__ = None  # its frames hold the script's globals
         namespace = {}
     except BaseException as exc:
-        import traceback
-
         _record(exc)
-        # Printed here rather than by sys.excepthook: torch's hook would add a second rank
-        # prefix to lines the launcher already prefixes.
-        traceback.print_exception(type(exc), exc, _user_traceback(exc.__traceback__))
+        _tell(exc)
         _flush()
         if forked:
             _let_the_peer_be_seen_first(exc)
@@ -207,6 +203,25 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
     atexit._run_exitfuncs()
     _flush()
     return status
+
+
+def _tell(exc: BaseException) -> None:
+    """Show the error that ends this rank: its traceback, or one line where the rank only
+    lost its connection to a rank that failed (the launcher names that one; the traceback
+    stays in the error file, for the failure summary)."""
+    import traceback
+
+    from shoal.launch.summary import peer_lost
+
+    lost = peer_lost(f"{type(exc).__name__}: {exc}")
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if lost is not None and error_file and os.path.exists(error_file):
+        print(f"shoal: lost its connection to a failed rank ({lost}): this rank stops too "
+              "(its stack is in its error file, beside its log)", file=sys.stderr, flush=True)
+        return
+    # Printed here rather than by sys.excepthook: torch's hook would add a second rank
+    # prefix to lines the launcher already prefixes.
+    traceback.print_exception(type(exc), exc, _user_traceback(exc.__traceback__))
 
 
 def _say_if_trained_apart() -> None:
