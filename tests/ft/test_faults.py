@@ -131,6 +131,10 @@ def test_the_users_lighthouse_gone_for_good_stops_the_job(tmp_path):
                               rf"lighthouse http://127.0.0.1:{port} does not answer",
                               output)) == 1, output[-4000:]
     assert "falling back" not in output, output[-4000:]
+    # Said in a line by the worker (before, with its traceback too): the only tracebacks are
+    # the two groups' failure summaries'.
+    assert "[group0 rank0]: shoal: replica group 0: no quorum" in output, output[-4000:]
+    assert output.count("Traceback (most recent call last)") == 2, output[-6000:]
 
 
 @pytest.mark.parametrize("policy", ["exact", "available"])

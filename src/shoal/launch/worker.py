@@ -207,18 +207,25 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
 
 def _tell(exc: BaseException) -> None:
     """Show the error that ends this rank: its traceback, or one line where the rank only
-    lost its connection to a rank that failed (the launcher names that one; the traceback
-    stays in the error file, for the failure summary)."""
+    lost its connection to a rank that failed (the launcher names that one), or where a
+    live session says why it cannot go on (its message says all). The traceback stays in
+    the error file, for the failure summary."""
     import traceback
 
     from shoal.launch.summary import peer_lost
 
     lost = peer_lost(f"{type(exc).__name__}: {exc}")
+    step = sys.modules.get("shoal.ft.step")  # (imported where a live session ran)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if lost is not None and error_file and os.path.exists(error_file):
-        print(f"shoal: lost its connection to a failed rank ({lost}): this rank stops too "
-              "(its stack is in its error file, beside its log)", file=sys.stderr, flush=True)
-        return
+    if error_file and os.path.exists(error_file):
+        if lost is not None:
+            print(f"shoal: lost its connection to a failed rank ({lost}): this rank stops "
+                  "too (its stack is in its error file, beside its log)", file=sys.stderr,
+                  flush=True)
+            return
+        if step is not None and isinstance(exc, step.LiveError):
+            print(f"shoal: {exc}", file=sys.stderr, flush=True)
+            return
     # Printed here rather than by sys.excepthook: torch's hook would add a second rank
     # prefix to lines the launcher already prefixes.
     traceback.print_exception(type(exc), exc, _user_traceback(exc.__traceback__))
