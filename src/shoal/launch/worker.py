@@ -19,6 +19,7 @@ import sys
 import time
 
 from shoal.launch.frames import OWN_FRAMES, PID_FILE
+from shoal.runtime import held_groups
 from shoal.runtime.parent import die_with_parent, launcher_pid
 
 TYPE_CHECKING = False  # typing is not imported: the worker pays for every import
@@ -67,32 +68,15 @@ def _shut_down(namespace: dict) -> None:
     A DDP model left in the script's globals keeps gloo's threads and buffers alive until
     interpreter finalization, where tearing them down aborts the process now and then
     ("terminate called without an active exception"): a finished job would read as failed.
-
-    Each DDP model's process group is held until the model is gone, and let go from Python:
-    a group that the script destroyed itself lives on in its DDP model's reducer, and freed
-    last by it (whose binding keeps the GIL) it waits for gloo's threads while holding the
-    GIL, which one of them may need to free the last all-reduce (it holds the autograd
-    engine's context): the worker hung, now and then, after the script's last line. Let go
-    from Python, a group's binding releases the GIL as it waits.
+    The process groups destroyed, by the script or here, are let go last
+    (shoal.runtime.held_groups: freed by a DDP model, one could hang the worker).
     """
-    groups = _ddp_process_groups()
     namespace.clear()
     gc.collect()
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    del groups
-
-
-def _ddp_process_groups() -> list:
-    """The process group of every DDP model alive in this process."""
-    ddp = sys.modules.get("torch.nn.parallel.distributed")
-    if ddp is None:
-        return []
-    model = ddp.DistributedDataParallel
-    # (issubclass of the type: isinstance would read __class__, a module's __getattr__)
-    return [getattr(o, "process_group", None) for o in gc.get_objects()
-            if issubclass(type(o), model)]
+    held_groups.let_go()
 
 
 def _leave_pid() -> None:
@@ -172,6 +156,7 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
     from shoal.runtime import heartbeat
 
     heartbeat.enable_from_environment()
+    held_groups.hold_destroyed_groups()
     _leave_pid()
     # What torch's record() does first: a crash in C code prints every thread's stack.
     faulthandler.enable(all_threads=True)
