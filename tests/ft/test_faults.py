@@ -156,6 +156,34 @@ def test_a_group_whose_last_step_did_not_commit_heals_from_the_others(tmp_path, 
     assert states_equal(finals[0]["optimizer"], finals[1]["optimizer"])
 
 
+def test_groups_that_do_not_meet_at_the_end_say_so_and_end_as_one_model(tmp_path):
+    """Group 0 held after its last step for longer than the step timeout: group 1 waits for
+    it at the closing quorum, gives up, and says so in a line (before: 2 s more and not a
+    word); so does group 0 once it goes on, group 1 having ended. Both end at the last step
+    with one model, and the job ends well."""
+    live = tmp_path / "live"
+    run = _shoal_run(live, "--replica-groups", "2", "--ft-step-timeout", "2",
+                     job=("--hold", str(STEPS - 1)))  # (the hook runs as step STEPS ends)
+    try:
+        deadline = time.monotonic() + TIMEOUT  # a hang guard
+        while not (live / "held").exists():
+            assert run.poll() is None and time.monotonic() < deadline, "never held"
+            time.sleep(0.1)
+        while not (live / "final.g1.r0.pt").exists():  # group 1 has ended its run
+            assert run.poll() is None and time.monotonic() < deadline, "group 1 waits on"
+            time.sleep(0.1)
+        (live / "go").write_text("")
+        output = _finish(run)
+    finally:
+        run.kill()
+    for group in (0, 1):
+        assert output.count(f"replica group {group}: the replica groups did not meet at the "
+                            "end within 2 s") == 1, output[-4000:]
+    finals = [final(live, group) for group in (0, 1)]
+    assert finals[0]["step"] == finals[1]["step"] == STEPS
+    assert states_equal(finals[0]["model"], finals[1]["model"])
+
+
 def test_a_group_whose_step_did_not_commit_mid_run_heals_without_waiting(tmp_path, ddp_run):  # noqa: F811
     """Group 1's vote on step 10 says no where group 0's commits. Group 0 goes on without a
     quorum (its step committed with every group in it), so group 1 closes its process group

@@ -518,12 +518,17 @@ class LiveSession:
         them, instead of doing it alone after they have ended (the groups end as one
         model). Two quorums: a group behind heals in the first, and fetches the state only
         after it (over HTTP); the second holds this group until then. Each is given up
-        after ``step_timeout_s``: the others may have ended already."""
+        after ``step_timeout_s``, in a line: the others may have ended already (or still
+        be busy after their last step, or the lighthouse does not answer)."""
+        wait = self.place.config.step_timeout_s
         for _ in range(2):
             try:
                 with heartbeat.waiting():
-                    self.replica.quorum(timeout_s=self.place.config.step_timeout_s)
-            except Exception:  # noqa: BLE001 - torchft's: the others have ended
+                    self.replica.quorum(timeout_s=wait)
+            except Exception:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
+                self._say(f"the replica groups did not meet at the end within {wait:g} s (the "
+                          "others may have ended already, or the lighthouse does not answer): "
+                          "this group ends as it is, its last step committed")
                 return
 
     def _gather(self, blob: bytes, lengths: list[int] | None = None
