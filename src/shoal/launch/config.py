@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import string
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -91,8 +90,9 @@ class AgentOptions:
         template = self.log_line_prefix_template
         if template == AgentOptions.log_line_prefix_template:
             template = GROUP_PREFIX
-        return replace(self, log_line_prefix_template=string.Template(template).safe_substitute(
-            replica_group=group))
+        # (only this name: the template is substituted again for each line, "$$" and all)
+        return replace(self, log_line_prefix_template=template.replace(
+            "${replica_group}", str(group)))
 
     def environ(self) -> dict[str, str]:
         """These settings for a replica group's launcher (``from_environ``): a live job's

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from shoal.launch.frames import OWN_FRAMES, PID_FILE
+from shoal.launch.frames import OWN_FRAMES, PID_FILE, peer_lost
 from shoal.launch.output import shoal_says
 from shoal.runtime.restarts import AttemptFailure
 
@@ -79,23 +79,6 @@ def first_traceback(failure: ProcessFailure, log_dir: str) -> str | None:
     start = text.rfind("Traceback (most recent call last)")
     return strip_launcher_frames(text[start:]) if start >= 0 else None
 
-
-# Errors a rank raises because another rank died: never the root cause while a rank with an
-# error of its own exists.
-PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote worker",
-              "Broken pipe", "NCCL communicator was aborted")
-
-
-_SOURCE_PATH = re.compile(r"\[/[^\]]*\] ")
-
-
-def peer_lost(message: str) -> str | None:
-    """The first line of an error that says a peer is gone, without gloo's source path and
-    advice; None for any other error."""
-    if not any(marker in message for marker in PEER_LOST):
-        return None
-    first = _SOURCE_PATH.sub("", message.splitlines()[0])
-    return first.split(". This is typically caused by", 1)[0]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from shoal.launch.frames import OWN_FRAMES, PID_FILE
+from shoal.launch.frames import OWN_FRAMES, PID_FILE, peer_lost
 from shoal.runtime import held_groups
 from shoal.runtime.parent import die_with_parent, launcher_pid
 
@@ -191,22 +191,21 @@ def _bootstrap(argv: list[str], forked: bool = False) -> int:
 
 
 def _tell(exc: BaseException) -> None:
-    """Show the error that ends this rank: its traceback, or one line where the rank only
-    lost its connection to a rank that failed (the launcher names that one), or where a
-    live session says why it cannot go on (its message says all). The traceback stays in
-    the error file, for the failure summary."""
+    """Show the error that ends this rank: its traceback, or one line where a collective of
+    torch.distributed lost its connection to a rank that failed (shoal's failure summary
+    names the rank that failed first), or where a live session says why it cannot go on
+    (its message says all). The traceback stays in the error file, for the summary."""
     import traceback
 
-    from shoal.launch.summary import peer_lost
-
-    lost = peer_lost(f"{type(exc).__name__}: {exc}")
+    # (not an OSError: a broken pipe or a reset connection of the script's own, a download)
+    lost = peer_lost(f"{type(exc).__name__}: {exc}") if (
+        "torch.distributed" in sys.modules and not isinstance(exc, OSError)) else None
     step = sys.modules.get("shoal.ft.step")  # (imported where a live session ran)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file and os.path.exists(error_file):
         if lost is not None:
             print(f"shoal: lost its connection to a failed rank ({lost}): this rank stops "
-                  "too (its stack is in its error file, beside its log)", file=sys.stderr,
-                  flush=True)
+                  "too (its stack is in its error file)", file=sys.stderr, flush=True)
             return
         if step is not None and isinstance(exc, step.LiveError):
             print(f"shoal: {exc}", file=sys.stderr, flush=True)
@@ -264,7 +263,7 @@ def _let_the_peer_be_seen_first(exc: BaseException) -> None:
     rank that lost its peer could be named in place of the peer killed first. The error is
     recorded already; the agent stops this rank when it has seen the peer.
     """
-    from shoal.launch.summary import PEER_LOST
+    from shoal.launch.frames import PEER_LOST
 
     if any(marker in str(exc) for marker in PEER_LOST):
         # The agent's SIGTERM ends the wait: a handler the job set (a checkpoint at the next
