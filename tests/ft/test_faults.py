@@ -159,8 +159,9 @@ def test_a_group_whose_last_step_did_not_commit_heals_from_the_others(tmp_path, 
 def test_groups_that_do_not_meet_at_the_end_say_so_and_end_as_one_model(tmp_path):
     """Group 0 held after its last step for longer than the step timeout: group 1 waits for
     it at the closing quorum, gives up, and says so in a line (before: 2 s more and not a
-    word); so does group 0 once it goes on, group 1 having ended. Both end at the last step
-    with one model, and the job ends well."""
+    word). (Group 0, going on once group 1 has ended, says so too, unless the lighthouse
+    still counts group 1's last request.) Both end at the last step with one model, and the
+    job ends well."""
     live = tmp_path / "live"
     run = _shoal_run(live, "--replica-groups", "2", "--ft-step-timeout", "2",
                      job=("--hold", str(STEPS - 1)))  # (the hook runs as step STEPS ends)
@@ -176,9 +177,9 @@ def test_groups_that_do_not_meet_at_the_end_say_so_and_end_as_one_model(tmp_path
         output = _finish(run)
     finally:
         run.kill()
-    for group in (0, 1):
-        assert output.count(f"replica group {group}: the replica groups did not meet at the "
-                            "end within 2 s") == 1, output[-4000:]
+    said = [output.count(f"replica group {group}: the replica groups did not meet at the end "
+                         "within 2 s") for group in (0, 1)]
+    assert said[1] == 1 and said[0] <= 1, output[-4000:]
     finals = [final(live, group) for group in (0, 1)]
     assert finals[0]["step"] == finals[1]["step"] == STEPS
     assert states_equal(finals[0]["model"], finals[1]["model"])
