@@ -128,7 +128,8 @@ def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
     # Each group's launcher and workers name their group (before: "shoal: attempt 1 of 2
     # failed: rank 0 ..." and "[rank0]: " in both groups).
     assert "shoal: replica group 1: attempt 1 of 2 failed: rank 0 killed by SIGKILL" in output
-    assert "[group0 rank0]: " in output and "[rank0]" not in output
+    # (torch's own C++ warnings carry "[rank0]:[W..." after the prefix, on some versions)
+    assert "[group0 rank0]: " in output and not re.search(r"^\[rank0\]: ", output, re.M)
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
     # The replacement took the survivor's loss sums with its state: the epoch's figure
