@@ -98,7 +98,7 @@ class PeriodicSession(LiveSession):
         while True:
             if self._quorum is None:
                 self._started = time.monotonic()
-                self._quorum = self._meet()
+                self._quorum = self._wait.join()
             quorum, self._quorum = self._quorum, None
             if quorum.healed and not start:  # behind ('available'): now a live group's clone
                 self._contributes, self._moved = False, True

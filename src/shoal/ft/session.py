@@ -33,10 +33,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from shoal.errors import Preempted
 from shoal.ft.across import AcrossGroups, Carried, TopKAcrossGroups
 from shoal.ft.config import ENV_OPENED, ReplicaPlace
 from shoal.ft.engine import Quorum
+from shoal.ft.quorum import QuorumWait
 from shoal.ft.rounds import Rounds, gather_blobs, serialized
 from shoal.ft.step import (
     GroupState,
@@ -97,10 +97,6 @@ class LiveSession:
         sum (float64) and micro-batches (see ``end_step``)."""
         self._full_at = 0.0  # when this group last asked the lighthouse
         self._reuses = 0  # steps that reused the last full quorum
-        self._may_reuse = 0
-        """A group of several processes: the steps that may reuse a full quorum, agreed
-        inside the group at each one (see ``_agree``)."""
-        self._least = least
         self._several = group_size > 1
         """This group has several processes: they agree on the steps of full quorums and
         hand-overs (each process's clock would choose a step of its own)."""
@@ -111,14 +107,11 @@ class LiveSession:
         group to start, or heals as a replacement: ``healed``)."""
         self._participants = place.groups
         self._started = 0.0
-        self._in_quorum = False  # waiting for the other groups at a quorum
         self._failed = False  # this group's last try of a step (or meeting) did not commit
         self.before_wait: Callable[[], None] = lambda: None
         """Called as this group starts to wait at a quorum (the Trainer's: a preemption
         signal that came since the last step ends the run here)."""
         self._leaving: int | None = None  # the exit code of a stop in a quorum wait
-        self._saves_agreed: bool | None = None  # ``saves_in_wait``, agreed in the group
-        self._fell_back = False  # a heal went through in only some processes: met again
         self._feedback = feedback
         self._exact = place.config.policy == "exact"
         # 'exact' under powersgd, topk: hand-overs of the compression state, and a log.
@@ -133,6 +126,8 @@ class LiveSession:
         except RuntimeError as exc:  # torchft's: the lighthouse does not answer
             raise LiveError(f"replica group {place.group}: cannot join the replica groups "
                             f"({str(exc).splitlines()[0][:200]})") from None
+        self._wait = QuorumWait(place, self.replica, self._several, least, self._say,
+                                lambda: self.saves_in_wait, lambda: self.before_wait())
         os.environ[ENV_OPENED] = "1"
 
     def _send(self) -> dict:
@@ -207,14 +202,14 @@ class LiveSession:
         """The quorum of a step (kept for it), which a group behind heals in. A job starts
         whole: its first step waits for every group, also under 'available' (whose
         lighthouse forms a quorum of whoever is there)."""
-        reuses = self._reuses_after(self._full_at, self._reuses + 1)
+        reuses = self._wait.reuses_after(self._full_at, self._reuses + 1)
         self._started = self._full_at = time.monotonic()
         self.quorums += 1
-        self._quorum = self._meet(reuses)
+        self._quorum = self._wait.join(reuses)
         while (self.replica.step == 0 and not self._quorum.healed
                and self._quorum.participants < self.place.groups):
             time.sleep(0.05)
-            self._quorum = self._meet(reuses)
+            self._quorum = self._wait.join(reuses)
         self._reuses = 0
         if self.quorums > 1:
             self.quorum_seconds += time.monotonic() - self._started
@@ -226,128 +221,6 @@ class LiveSession:
                 self._say(f"healed from a live group at step {self._received_step} "
                           f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
         return self._quorum
-
-    def _reuses_after(self, previous: float, steps: int) -> int:
-        """A group of several processes, asking for a full quorum: how many steps may reuse
-        it, so that the next full one comes about ``quorum_every_s`` later at the pace of
-        the ``steps`` since the one before (begun at ``previous``; 0: none yet, and then the
-        next step holds one). Every process of the group must ask for the next full quorum
-        at the same step (each waits for the others in it): the group takes the least of
-        its processes' counts (``_meet``)."""
-        pace = (time.monotonic() - previous) / steps if previous else 0.0
-        # (at most 2**31 steps: quorum_every_s may be infinite)
-        count = min(self.place.config.quorum_every_s / pace, 2.0**31) - 1 if pace > 0 else 0
-        return max(0, int(count))
-
-    def _meet(self, reuses: int | None = None) -> Quorum:
-        """The step's (or meeting's) quorum, tried again until the policy's deadline (a
-        lighthouse that the launcher is starting again refuses connections meanwhile).
-
-        The processes of a group of several leave it together: as each leaves (with a
-        quorum, stopped by a preemption signal, or past its deadline) they agree in one
-        collective inside the group (``_agree``) on what the group does. A signal may end
-        one process's wait after the quorum has let another go on (each on its own, the one
-        would save alone and the other wait for it in the step), and a heal may go through
-        in some processes and fail in others (each fetches its own state)."""
-        while True:
-            quorum: Quorum | None = None
-            ended: Preempted | LiveError | None = None
-            try:
-                quorum = self._meet_once()
-            except (Preempted, LiveError) as exc:
-                if not self._several:
-                    raise
-                ended = exc
-            if not self._several:
-                assert quorum is not None
-                return quorum
-            with heartbeat.waiting():  # (the others may still wait at the quorum)
-                if self._agree(reuses, quorum, ended):
-                    assert quorum is not None  # (else ``_agree`` raised)
-                    return quorum
-
-    def _agree(self, reuses: int | None, quorum: Quorum | None,
-               ended: Preempted | LiveError | None) -> bool:
-        """A group of several processes, leaving a quorum wait with ``quorum`` or ``ended``:
-        the least ``reuses`` of its processes (see ``_reuses_after``), and what the group
-        does. Stopped by a signal in any process: every one raises ``Preempted``, and they
-        save where each holds the same committed step and any would save
-        (``saves_in_wait``). Past its deadline in any: every one raises ``LiveError``. A
-        heal that went through in only some: each holds the least step again and False
-        (meet again, where every process heals; twice: ``LiveError``)."""
-        step = self.replica.step
-        if self.replica.healing:  # (read after the step: the heal set it first)
-            step = -1  # stopped before its heal was loaded: not that step's state
-        healed = int(quorum is not None and quorum.healed)
-        # (the least of a negated value: the greatest)
-        least, minus_signum, minus_wants, lowest, minus_highest, all_healed, minus_ended = \
-            self._least([reuses or 0, -ended.signum if isinstance(ended, Preempted) else 0,
-                         -int(self.saves_in_wait), step, -step, healed, -int(bool(ended))])
-        if reuses is not None:
-            self._may_reuse = least
-        if minus_signum:
-            self._saves_agreed = minus_wants < 0 and 0 < lowest == -minus_highest
-            raise Preempted(-minus_signum)
-        group = self.place.group
-        if minus_ended:
-            raise ended or LiveError(
-                f"replica group {group}: another of its processes found no quorum of the "
-                "replica groups in time; this group stops (its agent restarts it)")
-        # (Whether a process healed says nothing by itself: at the job's first quorum each
-        # rank of a group may copy the weights of a group of its own choosing, or none.)
-        if lowest == -minus_highest:
-            if self._fell_back and not all_healed:
-                raise LiveError(f"replica group {group}: no live group to heal from again "
-                                "after a heal that failed in some of its processes; this "
-                                "group stops (its agent restarts it)")
-            self._fell_back = False
-            return True
-        if self._fell_back:
-            raise LiveError(f"replica group {group}: a heal failed again in some of its "
-                            "processes; this group stops (its agent restarts it)")
-        self._say(f"a heal to step {-minus_highest} failed in some of its processes: the "
-                  "group meets the others again, and every process heals")
-        self.replica.fall_back(lowest)
-        self._fell_back = True
-        return False
-
-    def _before_wait(self) -> None:
-        """The Trainer's ``before_wait`` (a preemption signal since the last step raises
-        ``Preempted``). In a group of several processes only once this process has asked
-        for the quorum: torchft asks the lighthouse once every process of a group has, and
-        the others wait for it there."""
-        try:
-            self.before_wait()
-        except Preempted:
-            if self._several:
-                with contextlib.suppress(Exception):  # (a timeout: the request is out)
-                    self.replica.quorum(timeout_s=1.0)
-            raise
-
-    def _meet_once(self) -> Quorum:
-        """``_meet``'s quorum, for this process alone."""
-        c = self.place.config
-        wait = c.replacement_timeout_s if c.policy == "exact" else c.step_timeout_s
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                # Waiting for the others (or a replacement) is not a hang: the call's own
-                # deadline ends it.
-                with heartbeat.waiting():
-                    self._in_quorum = True  # a preemption signal may end this wait
-                    try:
-                        self._before_wait()
-                        return self.replica.quorum()
-                    finally:
-                        self._in_quorum = False
-            except Exception as exc:  # noqa: BLE001 - torchft's: a timeout, no lighthouse
-                if time.monotonic() >= deadline:
-                    raise LiveError(
-                        f"replica group {self.place.group}: no quorum of the replica groups "
-                        f"within {wait:g} s ({str(exc).splitlines()[0][:200]}); this group "
-                        "stops (its agent restarts it, from the last checkpoint if there is "
-                        "one)") from None
-                time.sleep(0.2)
 
     def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int,
                  losses: tuple[float, int] = (0.0, 0), averaged: bool = False
@@ -416,7 +289,7 @@ class LiveSession:
         which then fails: that step does not commit, and the one done again meets the
         lighthouse (a replacement heals there). A group asks for a full quorum at least
         every ``quorum_every_s``, so that a lighthouse that is gone is noticed (a group of
-        several processes counts it in steps: ``_reuses_after``); all see the same sum,
+        several processes counts it in steps: ``QuorumWait.reuses_after``); all see the same sum,
         so every group holds the next quorum, or none.
 
         ``losses`` (this rank's loss sum in the step, float64, and its micro-batches) are
@@ -469,7 +342,7 @@ class LiveSession:
         is exact in float32, in any order: one group's part (zeros from the others), or a
         count."""
         if self._several:  # the same step in every process of the group
-            due = self._reuses >= self._may_reuse  # (``_agree``)
+            due = self._reuses >= self._wait.may_reuse  # (``QuorumWait._agree``)
         else:
             due = time.monotonic() - self._full_at >= self.place.config.quorum_every_s
         groups, group = self.place.groups, self.place.group
@@ -560,9 +433,9 @@ class LiveSession:
         last try of a step or meeting did not commit, or its wait has outlasted the
         lighthouse's heartbeat timeout. (Two groups may then save one step: the store keeps
         the first, and a group that finds it committed does not save it again.) In a group
-        of several processes, what they agreed (``_agree``)."""
-        if self._saves_agreed is not None:
-            return self._saves_agreed
+        of several processes, what they agreed (``QuorumWait._agree``)."""
+        if self._wait.saves_agreed is not None:
+            return self._wait.saves_agreed
         if self.replica.step == 0:
             return False
         waited = time.monotonic() - self._started
@@ -582,7 +455,7 @@ class LiveSession:
 
     def waiting(self) -> bool:
         """Whether this process now waits for the other groups at a quorum."""
-        return self._in_quorum
+        return self._wait.waiting
 
     def exit_on_close(self, code: int) -> None:
         """Stopped in a quorum wait (a preemption signal): ``close`` ends the process with
