@@ -14,7 +14,7 @@ PID_FILE = "pid"
 
 # Errors a rank raises because another rank died: never the root cause while a rank with an
 # error of its own exists.
-PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote worker",
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote worker",
              "Broken pipe", "NCCL communicator was aborted")
 
 _SOURCE_PATH = re.compile(r"\[/[^\]]*\] ")
@@ -23,7 +23,7 @@ _SOURCE_PATH = re.compile(r"\[/[^\]]*\] ")
 def peer_lost(message: str) -> str | None:
     """The first line of an error that says a peer is gone, without gloo's source path and
     advice; None for any other error."""
-    if not any(marker in message for marker in PEER_LOST):
+    if not any(marker in message for marker in _PEER_LOST):
         return None
     first = _SOURCE_PATH.sub("", message.splitlines()[0])
     return first.split(". This is typically caused by", 1)[0]

@@ -263,9 +263,7 @@ def _let_the_peer_be_seen_first(exc: BaseException) -> None:
     rank that lost its peer could be named in place of the peer killed first. The error is
     recorded already; the agent stops this rank when it has seen the peer.
     """
-    from shoal.launch.frames import PEER_LOST
-
-    if any(marker in str(exc) for marker in PEER_LOST):
+    if peer_lost(str(exc)) is not None:
         # The agent's SIGTERM ends the wait: a handler the job set (a checkpoint at the next
         # step, on preemption) has no step left to save at.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
