@@ -17,10 +17,14 @@ from shoal.launch.worker_start import FORK_FIRST_ENV
 from tests.helpers import REPO, run_shoal
 
 SCRIPT = textwrap.dedent("""\
-    import os, sys
+    import os, sys, time
     mode, rank = sys.argv[1], os.environ["RANK"]
     print(f"rank {rank} runs {__file__}")
+    if rank == "0":
+        open("printed", "w").close()
     if rank == "1":
+        while not os.path.exists("printed"):  # rank 0's line is out before rank 1 fails
+            time.sleep(0.01)
         if mode == "long":
             raise RuntimeError("a message longer than a line: " + "word " * 60 + "end")
         if mode == "message":
@@ -43,7 +47,7 @@ def test_paths_are_absolute_and_summary_lines_whole(script):
     out = run_shoal("run", "--nproc-per-node", "2", "job.py", "long", cwd=str(script))
     assert out.returncode == 1, out.stderr
     assert f"[rank0]: rank 0 runs {script}/job.py" in out.stdout
-    assert f'[rank1]:   File "{script}/job.py", line 6, in <module>' in out.stderr
+    assert f'[rank1]:   File "{script}/job.py", line 10, in <module>' in out.stderr
     first = next(line for line in out.stderr.splitlines() if "failed first" in line)
     assert first.startswith("shoal: rank 1 failed first (raised RuntimeError: a message "
                             "longer than a line: word")
@@ -69,7 +73,7 @@ def test_an_assert_without_message_says_where(script):
     out = run_shoal("run", "--nproc-per-node", "2", "job.py", "assert", cwd=str(script))
     assert out.returncode == 1, out.stderr
     assert re.search(rf"shoal: rank 1 failed first \(raised AssertionError at {script}/job.py:"
-                     r"11: assert x == 2; local rank 1, pid [1-9]\d*\)", out.stderr), out.stderr
+                     r"15: assert x == 2; local rank 1, pid [1-9]\d*\)", out.stderr), out.stderr
 
 
 ALTERNATING = textwrap.dedent("""\
