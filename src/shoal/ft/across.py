@@ -33,6 +33,7 @@ crosses no group and changes nothing (``settle_due``, see ``shoal.training.live`
 
 from __future__ import annotations
 
+import array
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,7 +68,8 @@ class Carried:
     ``LiveSession._numbers``), so it is the same in any order and precision."""
 
     def __init__(self, numbers: list[float]):
-        self.sent = torch.tensor(numbers, dtype=torch.float32)
+        # (from an array's buffer: about half the time of torch.tensor from a list)
+        self.sent = torch.frombuffer(array.array("f", numbers), dtype=torch.float32)
         """What this group sends (an all-reduce sums it in place)."""
         self.rows: torch.Tensor | None = None
         """(groups, numbers): every group's, where they were gathered."""
@@ -75,8 +77,7 @@ class Carried:
     def sums(self) -> list[float]:
         if self.rows is None:
             return self.sent.tolist()
-        rows = self.rows.tolist()
-        return rows[0] if len(rows) == 1 else [sum(column) for column in zip(*rows, strict=True)]
+        return self.rows.sum(0).tolist()  # (exact in float32: see the class's docstring)
 
 
 class AcrossGroups:

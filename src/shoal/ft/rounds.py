@@ -77,7 +77,7 @@ class Rounds:
     def log_step(self, mean: torch.Tensor | tuple[torch.Tensor, int],
                  losses: tuple[float, int]) -> None:
         self.log.append((mean, losses))
-        self._log_bytes += state_bytes(mean)
+        self._log_bytes += mean[0].nbytes if isinstance(mean, tuple) else mean.nbytes
 
     def due(self, next_step: int) -> bool:
         """This group would hand over in step ``next_step``: ``every`` steps after the last
@@ -123,9 +123,9 @@ class Rounds:
         in a precision that holds the lengths."""
         self.brought, self.handing = round(summed[0]), summed[1] > 0
         self.next = summed[2] > 0
-        parts = summed[3:]
+        parts = summed[3:]  # (read where the groups hand over in this step only)
         self.lengths = [round(parts[2 * g]) * SPLIT + round(parts[2 * g + 1])
-                        for g in range(groups)] if exact else None
+                        for g in range(groups)] if exact and self.handing else None
 
 
 def serialized(state: dict | None) -> bytes:

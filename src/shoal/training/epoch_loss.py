@@ -52,7 +52,10 @@ class EpochLoss:
         if carried is not None:
             scale = per_step / carried.per_step
             total, batches = carried.sum * scale, round(carried.batches * scale)
-        self.sum = torch.full((), total, device=device, dtype=torch.float64)
+        self._sum = torch.full((), total, device=device, dtype=torch.float64)
+        self._host: float | None = None
+        """A live job's sum since its first committed step, added on the host in the same
+        order (a step's sum comes to the host already); ``_sum`` is then behind."""
         self.batches = batches
         self._marked: int | None = None  # the batches at a live step's start (``mark``)
         self._step: list[torch.Tensor] = []  # that step's own losses so far
@@ -60,7 +63,7 @@ class EpochLoss:
     def add(self, loss: torch.Tensor) -> None:
         self.batches += 1
         if self._marked is None:
-            self.sum += loss.detach()
+            self.sum.add_(loss.detach())
         else:  # a live step's: summed at its end (``step_sum``)
             self._step.append(loss.detach())
 
@@ -86,13 +89,23 @@ class EpochLoss:
         """The step's losses of every group (the same rank of each), added to the sums in
         place of this group's own."""
         assert self._marked is not None  # after mark
-        self.sum += total
+        if self._host is None:
+            self._host = float(self._sum)
+        self._host += total
         self.batches = self._marked + batches
         self._marked, self._step = None, []
 
     def state(self) -> list:
         """[sum, batches]: what a replacement group takes over."""
-        return [float(self.sum), self.batches]
+        return [self._host if self._host is not None else float(self._sum), self.batches]
+
+    @property
+    def sum(self) -> torch.Tensor:
+        """The sum of this rank's losses (float64, on its device)."""
+        if self._host is not None:
+            self._sum.fill_(self._host)
+            self._host = None
+        return self._sum
 
     @classmethod
     def taken_over(cls, device: torch.device, state: list) -> EpochLoss:
