@@ -10,7 +10,12 @@ batch; in a live step the quorum, reused while nothing changes, and the step's s
 Each phase's figure is its median step, past the first --skip; each mode's, the median of
 --rounds rounds, whose runs rotate in order (this machine's speed drifts between runs).
 
-    python benchmarks/live_step.py [--rounds 5] [--steps 3000] [--compression topk]
+--calls instead counts the Python calls of each worker's main thread a step (cProfile's,
+from the step past --skip to the last step's forward), one run a mode: the work a live step
+adds, in a figure that this machine's noise does not move (its times drift by more than the
+5 % a live step may cost).
+
+    python benchmarks/live_step.py [--rounds 5] [--steps 3000] [--compression topk] [--calls]
 """
 
 # ruff: noqa: E402
@@ -19,6 +24,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import cProfile
 import json
 import shutil
 import statistics
@@ -38,9 +44,10 @@ PHASES = ("forward", "loss", "backward", "after backward", "optimizer", "between
 """Each from one mark to the next (the last: to the next step's forward)."""
 
 
-def job(out: Path, steps: int, compression: str) -> None:
+def job(out: Path, steps: int, compression: str, calls_from: int | None = None) -> None:
     """The digits job of `recovery.py`, each step's marks written to
-    ``out/marks.<worker>.json``."""
+    ``out/marks.<worker>.json`` (``calls_from``: instead, the Python calls a step from
+    that step to the last one's forward, to ``out/calls.<worker>.json``)."""
     import shoal
     from shoal.examples.digits import build_data, build_model
 
@@ -50,6 +57,8 @@ def job(out: Path, steps: int, compression: str) -> None:
     trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                             batch_size=32, progress=False, max_steps=steps,
                             metrics={"enabled": False}, compression=compression)
+    if calls_from is not None:
+        return _count_calls(out / f"calls.{worker}.json", trainer, model, calls_from, steps)
     marks: dict[str, list[float]] = {name: [] for name in MARKS}
     clock = time.perf_counter
 
@@ -72,6 +81,28 @@ def job(out: Path, steps: int, compression: str) -> None:
     (out / f"marks.{worker}.json").write_text(json.dumps(marks))
 
 
+def _count_calls(path: Path, trainer, model: torch.nn.Module, first: int, last: int) -> None:
+    """The main thread's Python calls from step ``first``'s forward to step ``last``'s
+    (1-based), a step, to ``path``."""
+    from shoal.examples.digits import build_data
+
+    profile = cProfile.Profile()
+    forwards = 0
+
+    def count(*_):
+        nonlocal forwards
+        forwards += 1
+        if forwards == first:
+            profile.enable()
+        elif forwards == last:
+            profile.disable()
+
+    model.register_forward_pre_hook(count)
+    trainer.fit(build_data()[0])
+    calls = profile.getstats()
+    path.write_text(json.dumps(sum(entry.callcount for entry in calls) / (last - first)))
+
+
 def phases(marks: dict[str, list[float]], skip: int) -> dict[str, float]:
     """Each phase's median (seconds) over the steps past the first ``skip``, and the
     step's ('step': from a forward to the next). Only steps marked whole count: the last
@@ -91,19 +122,36 @@ def phases(marks: dict[str, list[float]], skip: int) -> dict[str, float]:
     return figures
 
 
-def run(mode: str, steps: int, compression: str, skip: int) -> dict[str, float]:
-    """One run of the job in ``mode``: each phase's figure, the mean of its workers'."""
+def _job_output(mode: str, steps: int, compression: str, name: str,
+                extra: tuple[str, ...] = ()) -> list:
+    """One run of the job in ``mode``: what each of its workers wrote to ``name.*.json``."""
     out = Path(tempfile.mkdtemp(prefix="shoal-live-step-"))
     try:
         with open(out / "output.txt", "wb") as output:
             subprocess.run([sys.executable, "-m", "shoal", "run", *MODES[mode], __file__,
                             "--job", str(out), "--steps", str(steps), "--compression",
-                            compression], check=True, stdout=output, stderr=subprocess.STDOUT)
-        workers = [phases(json.loads(path.read_text()), skip)
-                   for path in sorted(out.glob("marks.*.json"))]
+                            compression, *extra], check=True, stdout=output,
+                           stderr=subprocess.STDOUT)
+        return [json.loads(path.read_text()) for path in sorted(out.glob(f"{name}.*.json"))]
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def run(mode: str, steps: int, compression: str, skip: int) -> dict[str, float]:
+    """One run of the job in ``mode``: each phase's figure, the mean of its workers'."""
+    workers = [phases(marks, skip) for marks in _job_output(mode, steps, compression, "marks")]
     return {name: statistics.fmean(w[name] for w in workers) for name in workers[0]}
+
+
+def calls(steps: int, compression: str, skip: int) -> list[str]:
+    """Each mode's Python calls a step (the mean of its workers'), a live mode's with its
+    difference from DDP's."""
+    counted = {mode: statistics.fmean(_job_output(mode, steps, compression, "calls",
+                                                  ("--calls-from", str(skip + 1))))
+               for mode in MODES}
+    return [f"  {mode}: {n:.0f} Python calls a step" + ("" if mode == "DDP" else
+                                                       f" ({n - counted['DDP']:+.0f})")
+            for mode, n in counted.items()]
 
 
 def measure(rounds: int, steps: int, compression: str, skip: int) -> dict[str, list[dict]]:
@@ -146,10 +194,19 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=200, help="first steps left out")
     parser.add_argument("--compression", default="topk",
                         help="of the job's gradients (none, fp16, bf16, powersgd, topk)")
+    parser.add_argument("--calls", action="store_true",
+                        help="count each mode's Python calls a step instead of timing it")
     parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--calls-from", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        return job(Path(args.job), args.steps, args.compression)
+        return job(Path(args.job), args.steps, args.compression, args.calls_from)
+    if args.calls:
+        print(f"the Python calls of a worker's main thread a step, steps {args.skip + 1} to "
+              f"{args.steps}: the digits job, compression {args.compression}, 2 live groups "
+              "of 1 process against 2-process DDP, one run each")
+        print("\n".join(calls(args.steps, args.compression, args.skip)))
+        return None
     results = measure(args.rounds, args.steps, args.compression, args.skip)
     print(f"a live step against DDP's: the digits job, {args.steps} steps, compression "
           f"{args.compression}, 2 live groups of 1 process against 2-process DDP, "

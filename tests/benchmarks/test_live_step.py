@@ -46,3 +46,21 @@ def test_the_report_gives_each_live_phase_with_its_difference_from_ddps():
     loss = next(line for line in lines if line.strip().startswith("loss"))
     assert "1.500 (+0.500)" in loss and "1.000 (+0.000)" in loss
     assert any(line.strip().startswith("live exact: 0.80 x") for line in lines)
+
+
+def test_the_calls_a_step_are_each_modes_workers_mean_with_the_difference_from_ddps(
+        monkeypatch):
+    module = _live_step()
+    counted = {"DDP": [1000.0, 1002.0], "live exact": [1120.0, 1130.0],
+               "live available": [1050.0, 1051.0]}
+    seen = []
+
+    def output(mode, steps, compression, name, extra=()):
+        seen.append((name, extra))
+        return counted[mode]
+
+    monkeypatch.setattr(module, "_job_output", output)
+    assert module.calls(1000, "topk", 200) == [
+        "  DDP: 1001 Python calls a step", "  live exact: 1125 Python calls a step (+124)",
+        "  live available: 1050 Python calls a step (+50)"]
+    assert seen == [("calls", ("--calls-from", "201"))] * 3  # from the first step past --skip
