@@ -8,6 +8,7 @@ import copy
 import enum
 import math
 import struct
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -80,8 +81,8 @@ def copied(state: Any) -> Any:
         return state
     if isinstance(state, torch.Tensor):
         return state.detach().clone()
-    if type(state) is dict:
-        return {k: copied(v) for k, v in state.items()}
+    if type(state) in (dict, OrderedDict):  # (a module's state_dict is an OrderedDict)
+        return type(state)((k, copied(v)) for k, v in state.items())
     if type(state) is list:
         return [copied(v) for v in state]
     if type(state) is tuple:
