@@ -1,5 +1,6 @@
-"""`shoal data replicate` across hosts joined by a real (namespace) network: a 200 MB file
-and a few small ones, copied, skipped on a rerun, and repaired chunk by chunk."""
+"""`shoal data replicate` across hosts joined by a real (namespace) network: a 25 MB file
+of 2 MB chunks (12 and a half) and a few small ones, copied, skipped on a rerun, and
+repaired chunk by chunk."""
 
 import hashlib
 import os
@@ -11,8 +12,8 @@ import pytest
 
 from tests.helpers import REPO
 
-BIG = 200 * 2**20
-CHUNK = 16 * 2**20
+BIG = 25 * 2**20
+CHUNK = 2 * 2**20  # (--chunk-mb)
 SMALL = {"labels.csv": b"id,label\n1,cat\n2,dog\n", "shards/part-0.bin": os.urandom(5000),
          "shards/part-1.bin": os.urandom(7000), "shards/meta/info.json": b'{"n": 2}\n'}
 
@@ -26,8 +27,8 @@ def _dataset(root) -> None:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
     with open(root / "train.bin", "wb") as f:
-        for _ in range(BIG // (8 * 2**20)):
-            f.write(os.urandom(8 * 2**20))  # random: no two chunks alike
+        for _ in range(BIG // 2**20):
+            f.write(os.urandom(2**20))  # random: no two chunks alike
 
 
 def _digests(root) -> dict[str, str]:
@@ -46,7 +47,7 @@ def _replicate(hosts, port, src, dests) -> list[subprocess.CompletedProcess]:
     procs = [hosts.popen(r, [sys.executable, "-m", "shoal", "data", "replicate", "--nnodes",
                              str(hosts.n), "--node-rank", str(r), "--master-addr",
                              hosts.addr(0), "--master-port", str(port), "--hang-timeout", "60",
-                             str(src), str(dests[r])],
+                             "--chunk-mb", str(CHUNK >> 20), str(src), str(dests[r])],
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
              for r in range(hosts.n)]
@@ -78,7 +79,7 @@ def test_three_hosts_copy_skip_and_repair(make_hosts, tmp_path):
         assert _digests(dest) == expected, dest
     summary = _summary(first[0].stdout)
     assert summary.group(1, 2, 3, 4) == (str(files), str(files), "0", str(chunks))
-    print(f"\n200 MB across 3 namespace hosts: {summary.group(7)} MB/s "
+    print(f"\n{BIG >> 20} MB across 3 namespace hosts: {summary.group(7)} MB/s "
           f"({summary.group(5)} MB in {summary.group(6)} s)")
     for r in (1, 2):
         assert f"node {r} (host{r}): wrote {files} files" in first[r].stdout, first[r].stdout
