@@ -63,7 +63,7 @@ class Rounds:
         cadence, ``due``, counts from now)."""
         self.state, self.rows, self.log = state, rows, log
         self._at = time.monotonic()
-        self._log_bytes = sum(state_bytes(mean) for mean, _ in log)
+        self._log_bytes = sum(_bytes(mean) for mean, _ in log)
         self._state_bytes = state_bytes(state) + rows[0].numel()
 
     def end_hand_over(self, committed: bool) -> None:
@@ -77,7 +77,7 @@ class Rounds:
     def log_step(self, mean: torch.Tensor | tuple[torch.Tensor, int],
                  losses: tuple[float, int]) -> None:
         self.log.append((mean, losses))
-        self._log_bytes += mean[0].nbytes if isinstance(mean, tuple) else mean.nbytes
+        self._log_bytes += _bytes(mean)
 
     def due(self, next_step: int) -> bool:
         """This group would hand over in step ``next_step``: ``every`` steps after the last
@@ -126,6 +126,11 @@ class Rounds:
         parts = summed[3:]  # (read where the groups hand over in this step only)
         self.lengths = [round(parts[2 * g]) * SPLIT + round(parts[2 * g + 1])
                         for g in range(groups)] if exact and self.handing else None
+
+
+def _bytes(mean: torch.Tensor | tuple[torch.Tensor, int]) -> int:
+    """A logged step's mean's bytes (each step's: no walk of a nested state)."""
+    return mean[0].nbytes if isinstance(mean, tuple) else mean.nbytes
 
 
 def serialized(state: dict | None) -> bytes:
