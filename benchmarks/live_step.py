@@ -15,7 +15,15 @@ from the step past --skip to the last step's forward), one run a mode: the work 
 adds, in a figure that this machine's noise does not move (its times drift by more than the
 5 % a live step may cost).
 
-    python benchmarks/live_step.py [--rounds 5] [--steps 3000] [--compression topk] [--calls]
+--cpu instead reads the CPU time of every process and thread of each mode's job (Linux's
+/proc) between the step past --skip and the last step, one run a mode: each as a share of
+one core, and how often a worker's main thread was made to wait for a core while it could
+run (involuntary switches, a step): what a live job's other processes and threads (its
+lighthouse, a launcher a group, torchft's threads in each worker) take from its workers
+where they share the cores.
+
+    python benchmarks/live_step.py [--rounds 5] [--steps 3000] [--compression topk]
+                                   [--calls | --cpu]
 """
 
 # ruff: noqa: E402
@@ -24,6 +32,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import contextlib
 import cProfile
 import json
 import shutil
@@ -44,10 +53,13 @@ PHASES = ("forward", "loss", "backward", "after backward", "optimizer", "between
 """Each from one mark to the next (the last: to the next step's forward)."""
 
 
-def job(out: Path, steps: int, compression: str, calls_from: int | None = None) -> None:
+def job(out: Path, steps: int, compression: str, calls_from: int | None = None,
+        cpu_from: int | None = None) -> None:
     """The digits job of `recovery.py`, each step's marks written to
     ``out/marks.<worker>.json`` (``calls_from``: instead, the Python calls a step from
-    that step to the last one's forward, to ``out/calls.<worker>.json``)."""
+    that step to the last one's forward, to ``out/calls.<worker>.json``; ``cpu_from``:
+    instead, ``out/at.<first|last>.<worker>`` written at that step's forward and the last
+    one's, with the worker's pid, for ``cpu`` to read /proc then)."""
     import shoal
     from shoal.examples.digits import build_data, build_model
 
@@ -59,6 +71,20 @@ def job(out: Path, steps: int, compression: str, calls_from: int | None = None) 
                             metrics={"enabled": False}, compression=compression)
     if calls_from is not None:
         return _count_calls(out / f"calls.{worker}.json", trainer, model, calls_from, steps)
+    if cpu_from is not None:
+        forwards = 0
+
+        def at(*_):
+            nonlocal forwards
+            forwards += 1
+            if forwards in (cpu_from, steps):
+                name = "first" if forwards == cpu_from else "last"
+                (out / f"at.{name}.{worker}").write_text(str(os.getpid()))
+                while not (out / f"read.{name}").exists():  # (a hang guard: the run's own)
+                    time.sleep(0.001)
+
+        model.register_forward_pre_hook(at)
+        return trainer.fit(build_data()[0])
     marks: dict[str, list[float]] = {name: [] for name in MARKS}
     clock = time.perf_counter
 
@@ -154,6 +180,93 @@ def calls(steps: int, compression: str, skip: int) -> list[str]:
             for mode, n in counted.items()]
 
 
+def _threads(root: int) -> dict[tuple[int, int], tuple[str, str, int, int]]:
+    """Every thread of ``root`` and of the processes under it, (pid, tid): (the process's
+    command line, the thread's name, its CPU ticks (user and system), its involuntary
+    switches)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]),
+                                    []).append(int(entry))
+    pids, found = [root], {}
+    for pid in pids:
+        pids += children.get(pid, [])
+        with contextlib.suppress(OSError):  # (a process that ended meanwhile)
+            command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                fields = stat[stat.rindex(")") + 2:].split()
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+                switches = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+                found[pid, int(tid)] = (command, stat[stat.index("(") + 1:stat.rindex(")")],
+                                        int(fields[11]) + int(fields[12]), switches)
+    return found
+
+
+def cpu_shares(before: dict, after: dict, seconds: float, steps: int, workers: set[int]
+               ) -> list[str]:
+    """What each part of a job took between two readings of ``_threads`` ``seconds`` and
+    ``steps`` apart, as a share of one core: the workers' (pids ``workers``) main threads
+    (each's mean, with their involuntary switches a step), their other threads by name
+    (each worker's mean), and the other processes by what they run."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parts: dict[str, float] = {}
+    switches = 0
+    for key, (command, name, ticks, waits) in after.items():
+        if key not in before:
+            continue
+        share = (ticks - before[key][2]) / tick / seconds * 100
+        pid, tid = key
+        if pid in workers:
+            part = "workers' main threads" if pid == tid else f"workers' {name} threads"
+            share /= len(workers)
+            if pid == tid:
+                switches += waits - before[key][3]
+        elif "shoal.ft.lighthouse" in command:
+            part = "the lighthouse"
+        else:
+            part = "the launchers"
+        parts[part] = parts.get(part, 0.0) + share
+    lines = [f"    {part}: {share:.1f} %" for part, share in
+             sorted(parts.items(), key=lambda item: -item[1]) if share >= 0.05]
+    lines.append(f"    a worker's main thread made to wait for a core: "
+                 f"{switches / len(workers) / steps:.2f} times a step")
+    return lines
+
+
+def cpu(steps: int, compression: str, skip: int) -> list[str]:
+    """Each mode's ``cpu_shares``, from one run of it."""
+    lines = []
+    for mode in MODES:
+        out = Path(tempfile.mkdtemp(prefix="shoal-live-step-"))
+        with open(out / "output.txt", "wb") as output:
+            run_ = subprocess.Popen(
+                [sys.executable, "-m", "shoal", "run", *MODES[mode], __file__, "--job",
+                 str(out), "--steps", str(steps), "--compression", compression,
+                 "--cpu-from", str(skip + 1)], stdout=output, stderr=subprocess.STDOUT)
+        try:
+            readings = []
+            for name in ("first", "last"):  # (each worker waits until it is read)
+                while len(list(out.glob(f"at.{name}.*"))) < 2 and run_.poll() is None:
+                    time.sleep(0.001)
+                readings.append((time.perf_counter(), _threads(run_.pid)))
+                (out / f"read.{name}").touch()
+            if run_.wait() != 0:
+                raise RuntimeError(f"{mode}: the job failed: {(out / 'output.txt').read_text()}")
+            workers = {int(path.read_text()) for path in out.glob("at.first.*")}
+        finally:
+            if run_.poll() is None:
+                run_.kill()
+            shutil.rmtree(out, ignore_errors=True)
+        (start, before), (end, after) = readings
+        lines += [f"  {mode}:", *cpu_shares(before, after, end - start, steps - skip - 1,
+                                            workers)]
+    return lines
+
+
 def measure(rounds: int, steps: int, compression: str, skip: int) -> dict[str, list[dict]]:
     """Every mode's figures, ``rounds`` runs each, the order rotated round by round."""
     modes = list(MODES)
@@ -196,16 +309,22 @@ def main() -> None:
                         help="of the job's gradients (none, fp16, bf16, powersgd, topk)")
     parser.add_argument("--calls", action="store_true",
                         help="count each mode's Python calls a step instead of timing it")
+    parser.add_argument("--cpu", action="store_true",
+                        help="read each mode's CPU time a process and thread instead")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--calls-from", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--cpu-from", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
-        return job(Path(args.job), args.steps, args.compression, args.calls_from)
-    if args.calls:
-        print(f"the Python calls of a worker's main thread a step, steps {args.skip + 1} to "
-              f"{args.steps}: the digits job, compression {args.compression}, 2 live groups "
-              "of 1 process against 2-process DDP, one run each")
-        print("\n".join(calls(args.steps, args.compression, args.skip)))
+        return job(Path(args.job), args.steps, args.compression, args.calls_from,
+                   args.cpu_from)
+    if args.calls or args.cpu:
+        what, read = (("the Python calls of a worker's main thread a step", calls)
+                      if args.calls else ("CPU time as a share of one core", cpu))
+        print(f"{what}, steps {args.skip + 1} to {args.steps}: the digits job, compression "
+              f"{args.compression}, 2 live groups of 1 process against 2-process DDP, one "
+              "run each")
+        print("\n".join(read(args.steps, args.compression, args.skip)))
         return None
     results = measure(args.rounds, args.steps, args.compression, args.skip)
     print(f"a live step against DDP's: the digits job, {args.steps} steps, compression "

@@ -64,3 +64,29 @@ def test_the_calls_a_step_are_each_modes_workers_mean_with_the_difference_from_d
         "  DDP: 1001 Python calls a step", "  live exact: 1125 Python calls a step (+124)",
         "  live available: 1050 Python calls a step (+50)"]
     assert seen == [("calls", ("--calls-from", "201"))] * 3  # from the first step past --skip
+
+
+def test_the_cpu_shares_split_workers_main_threads_their_others_and_the_other_processes():
+    import os
+
+    module = _live_step()
+    tick = os.sysconf("SC_CLK_TCK")
+    lighthouse = "python -m shoal.ft.lighthouse --bind 127.0.0.1:1"
+    before = {(10, 10): ("python -m shoal run", "python", 0, 0),  # a worker's main thread
+              (10, 11): ("python -m shoal run", "gloo_tcp_loop", 0, 5),
+              (20, 20): ("python -m shoal run", "python", 0, 0),
+              (20, 21): ("python -m shoal run", "gloo_tcp_loop", 0, 5),
+              (30, 30): (lighthouse, "python", 0, 0),
+              (40, 40): ("python -m shoal run", "python", 0, 0)}  # a launcher
+    after = {(10, 10): ("python -m shoal run", "python", tick, 30),
+             (10, 11): ("python -m shoal run", "gloo_tcp_loop", tick // 10, 50),
+             (20, 20): ("python -m shoal run", "python", tick // 2, 10),
+             (20, 21): ("python -m shoal run", "gloo_tcp_loop", 0, 5),
+             (30, 30): (lighthouse, "python", tick // 50, 0),
+             (40, 40): ("python -m shoal run", "python", 0, 0),
+             (50, 50): ("python -m shoal run", "python", tick, 0)}  # (not in both: left out)
+    lines = module.cpu_shares(before, after, seconds=2.0, steps=10, workers={10, 20})
+    assert lines == ["    workers' main threads: 37.5 %",  # (50 % + 25 %) / 2 workers
+                     "    workers' gloo_tcp_loop threads: 2.5 %",
+                     "    the lighthouse: 1.0 %",
+                     "    a worker's main thread made to wait for a core: 2.00 times a step"]
