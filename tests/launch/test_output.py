@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,42 @@ def test_the_relay_follows_a_new_attempt_and_shows_the_last_one_whole_first(tmp_
     relay._look()
     assert out.getvalue() == ("[rank0]: one\n[rank0]: two\n[rank0]: three without its end\n"
                               "[rank0]: again\n")
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_relay_waits_for_a_write_instead_of_looking_every_20_ms(tmp_path):
+    # While nothing is written the relay's thread sleeps until a file is (inotify), or a
+    # tenth of a second: a launcher beside busy workers takes a slice of their cores at each
+    # look. A write is then shown, and the relay stops at once.
+    import io
+
+    from shoal.launch.output import OutputRelay
+
+    folder = tmp_path / "run" / "attempt_0" / "0"
+    folder.mkdir(parents=True)
+    (folder / "stdout.log").write_text("")
+    out, err = io.StringIO(), io.StringIO()
+    relay = OutputRelay(str(tmp_path), lambda rank: {"stdout", "stderr"}, out=out, err=err)
+    if relay._writes is None:
+        pytest.skip("no inotify here")
+    looks = []
+    look = relay._look
+
+    def counted(final: bool = False) -> bool:
+        looks.append(final)
+        return look(final)
+
+    relay._look = counted
+    relay.start()
+    try:
+        time.sleep(1.0)
+        idle = len(looks)
+        with open(folder / "stdout.log", "a") as f:
+            f.write("written\n")
+        while "written" not in out.getvalue():  # (the test's timeout guards a hang)
+            time.sleep(0.005)
+    finally:
+        relay.stop()
+    assert not relay.is_alive()
+    assert 1 <= idle <= 20, idle  # (a look every 20 ms: about 50)
+    assert out.getvalue() == "[rank0]: written\n"
