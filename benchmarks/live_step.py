@@ -148,16 +148,21 @@ def phases(marks: dict[str, list[float]], skip: int) -> dict[str, float]:
     return figures
 
 
+def _command(mode: str, out: Path, steps: int, compression: str,
+             extra: tuple[str, ...] = ()) -> list[str]:
+    """`shoal run` of the job in ``mode``, writing to ``out``."""
+    return [sys.executable, "-m", "shoal", "run", *MODES[mode], __file__, "--job", str(out),
+            "--steps", str(steps), "--compression", compression, *extra]
+
+
 def _job_output(mode: str, steps: int, compression: str, name: str,
                 extra: tuple[str, ...] = ()) -> list:
     """One run of the job in ``mode``: what each of its workers wrote to ``name.*.json``."""
     out = Path(tempfile.mkdtemp(prefix="shoal-live-step-"))
     try:
         with open(out / "output.txt", "wb") as output:
-            subprocess.run([sys.executable, "-m", "shoal", "run", *MODES[mode], __file__,
-                            "--job", str(out), "--steps", str(steps), "--compression",
-                            compression, *extra], check=True, stdout=output,
-                           stderr=subprocess.STDOUT)
+            subprocess.run(_command(mode, out, steps, compression, extra), check=True,
+                           stdout=output, stderr=subprocess.STDOUT)
         return [json.loads(path.read_text()) for path in sorted(out.glob(f"{name}.*.json"))]
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -244,9 +249,8 @@ def cpu(steps: int, compression: str, skip: int) -> list[str]:
         out = Path(tempfile.mkdtemp(prefix="shoal-live-step-"))
         with open(out / "output.txt", "wb") as output:
             run_ = subprocess.Popen(
-                [sys.executable, "-m", "shoal", "run", *MODES[mode], __file__, "--job",
-                 str(out), "--steps", str(steps), "--compression", compression,
-                 "--cpu-from", str(skip + 1)], stdout=output, stderr=subprocess.STDOUT)
+                _command(mode, out, steps, compression, ("--cpu-from", str(skip + 1))),
+                stdout=output, stderr=subprocess.STDOUT)
         try:
             readings = []
             for name in ("first", "last"):  # (each worker waits until it is read)
