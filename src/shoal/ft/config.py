@@ -49,7 +49,7 @@ class FaultToleranceConfig(BaseModel):
     node 0 starts one for the job and stops it at the end."""
     heartbeat_timeout_ms: int = Field(250, gt=0)
     """The lighthouse drops a group whose manager has not beaten for this long (a manager
-    beats five times in it): how fast a dead or frozen group is noticed. After a kill the
+    beats three times in it): how fast a dead or frozen group is noticed. After a kill the
     next quorum forms once the dead group's beats have run out, as its replacement joins
     under a new id: this is most of the survivors' pause (500 ms made it about 0.5 s)."""
     join_timeout_ms: int = Field(500, gt=0)

@@ -63,6 +63,19 @@ def _find_torchft() -> Any:
         return None
 
 
+_QUORUM_TICK_MS = 50
+"""How often the lighthouse looks again at a quorum that waits. It forms one at once when a
+group asks; the tick only notices that a dead group's beats ran out (at most this long
+after). Each tick wakes the lighthouse's threads, beside busy workers: 50 ms takes 20
+looks a second from their cores instead of 50."""
+_BEATS_PER_TIMEOUT = 3
+"""A manager beats this many times in ``heartbeat_timeout_ms``: a beat late by up to two
+thirds of the timeout does not drop a group. Each beat is a call to the lighthouse that
+wakes threads in both processes (about 0.2 ms of CPU in all); three a timeout instead of
+five cut what the lighthouse and the managers' threads take from the workers' cores by
+about a third (``benchmarks/live_step.py --cpu``)."""
+
+
 def serve_lighthouse(bind: str, min_replicas: int, config: FaultToleranceConfig) -> Any:
     """Start torchft's lighthouse in this process; returns the server (``shutdown()``).
 
@@ -84,7 +97,7 @@ def serve_lighthouse(bind: str, min_replicas: int, config: FaultToleranceConfig)
     spec.loader.exec_module(extension)
     return extension.LighthouseServer(bind=bind, min_replicas=min_replicas,
                                       join_timeout_ms=config.join_timeout_ms,
-                                      quorum_tick_ms=20,
+                                      quorum_tick_ms=_QUORUM_TICK_MS,
                                       heartbeat_timeout_ms=config.heartbeat_timeout_ms)
 
 
@@ -161,8 +174,8 @@ class Replica:
             connect_timeout=step, rank=group_rank, world_size=group_size,
             lighthouse_addr=place.lighthouse, replica_id=f"shoal_group_{place.group}",
             hostname=place.host, init_sync=True,
-            # Five beats a timeout: one late beat does not drop a group.
-            heartbeat_interval=timedelta(milliseconds=c.heartbeat_timeout_ms / 5),
+            heartbeat_interval=timedelta(
+                milliseconds=c.heartbeat_timeout_ms / _BEATS_PER_TIMEOUT),
             # The ManagerServer asks the lighthouse again when a request fails, after the
             # quorum's timeout divided by retries + 1 (at least 0.1 s): with 20 retries,
             # 5.7 s under 'exact'. A lighthouse the launcher starts again is back within a
