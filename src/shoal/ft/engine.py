@@ -71,9 +71,9 @@ looks a second from their cores instead of 50."""
 _BEATS_PER_TIMEOUT = 3
 """A manager beats this many times in ``heartbeat_timeout_ms``: a beat late by up to two
 thirds of the timeout does not drop a group. Each beat is a call to the lighthouse that
-wakes threads in both processes (about 0.2 ms of CPU in all); three a timeout instead of
-five cut what the lighthouse and the managers' threads take from the workers' cores by
-about a third (``benchmarks/live_step.py --cpu``)."""
+wakes threads in both processes; three a timeout instead of five cut what the lighthouse
+and the managers' threads take from the workers' cores by a third to a half
+(``benchmarks/live_step.py --cpu``)."""
 
 
 def serve_lighthouse(bind: str, min_replicas: int, config: FaultToleranceConfig) -> Any:
