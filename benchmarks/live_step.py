@@ -15,6 +15,10 @@ from the step past --skip to the last step's forward), one run a mode: the work 
 adds, in a figure that this machine's noise does not move (its times drift by more than the
 5 % a live step may cost).
 
+--scheduling instead times each mode's step (its median) under `shoal run --scheduling
+normal` and under the default batch policy (SCHED_BATCH), rotated as above, with each
+live mode against DDP under each policy.
+
 --cpu instead reads the CPU time of every process and thread of each mode's job (Linux's
 /proc) between the step past --skip and the last step, one run a mode: each as a share of
 one core, and how often a worker's main thread was made to wait for a core while it could
@@ -23,7 +27,7 @@ lighthouse, a launcher a group, torchft's threads in each worker) take from its 
 where they share the cores.
 
     python benchmarks/live_step.py [--rounds 5] [--steps 3000] [--compression topk]
-                                   [--calls | --cpu]
+                                   [--calls | --cpu | --scheduling]
 """
 
 # ruff: noqa: E402
@@ -149,28 +153,32 @@ def phases(marks: dict[str, list[float]], skip: int) -> dict[str, float]:
 
 
 def _command(mode: str, out: Path, steps: int, compression: str,
-             extra: tuple[str, ...] = ()) -> list[str]:
-    """`shoal run` of the job in ``mode``, writing to ``out``."""
-    return [sys.executable, "-m", "shoal", "run", *MODES[mode], __file__, "--job", str(out),
-            "--steps", str(steps), "--compression", compression, *extra]
+             extra: tuple[str, ...] = (), scheduling: str = "batch") -> list[str]:
+    """`shoal run` of the job in ``mode`` (its processes scheduled as ``scheduling``),
+    writing to ``out``."""
+    return [sys.executable, "-m", "shoal", "run", *MODES[mode], "--scheduling", scheduling,
+            __file__, "--job", str(out), "--steps", str(steps), "--compression", compression,
+            *extra]
 
 
 def _job_output(mode: str, steps: int, compression: str, name: str,
-                extra: tuple[str, ...] = ()) -> list:
+                extra: tuple[str, ...] = (), scheduling: str = "batch") -> list:
     """One run of the job in ``mode``: what each of its workers wrote to ``name.*.json``."""
     out = Path(tempfile.mkdtemp(prefix="shoal-live-step-"))
     try:
         with open(out / "output.txt", "wb") as output:
-            subprocess.run(_command(mode, out, steps, compression, extra), check=True,
-                           stdout=output, stderr=subprocess.STDOUT)
+            subprocess.run(_command(mode, out, steps, compression, extra, scheduling),
+                           check=True, stdout=output, stderr=subprocess.STDOUT)
         return [json.loads(path.read_text()) for path in sorted(out.glob(f"{name}.*.json"))]
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def run(mode: str, steps: int, compression: str, skip: int) -> dict[str, float]:
+def run(mode: str, steps: int, compression: str, skip: int, scheduling: str = "batch"
+        ) -> dict[str, float]:
     """One run of the job in ``mode``: each phase's figure, the mean of its workers'."""
-    workers = [phases(marks, skip) for marks in _job_output(mode, steps, compression, "marks")]
+    workers = [phases(marks, skip) for marks in
+               _job_output(mode, steps, compression, "marks", scheduling=scheduling)]
     return {name: statistics.fmean(w[name] for w in workers) for name in workers[0]}
 
 
@@ -281,6 +289,28 @@ def measure(rounds: int, steps: int, compression: str, skip: int) -> dict[str, l
     return results
 
 
+def scheduling(rounds: int, steps: int, compression: str, skip: int) -> list[str]:
+    """Each mode's median step under each of `shoal run`'s ``--scheduling`` policies,
+    ``rounds`` runs each (the order rotated round by round), and a live mode's step rate
+    against DDP's under the same policy, each round's pair."""
+    runs = [(mode, policy) for policy in ("normal", "batch") for mode in MODES]
+    steps_of: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    for r in range(rounds):
+        for mode, policy in runs[r % len(runs):] + runs[:r % len(runs)]:
+            steps_of[mode, policy].append(run(mode, steps, compression, skip, policy)["step"])
+    lines = []
+    for mode in MODES:
+        normal, batch = (statistics.median(steps_of[mode, p]) * 1e3 for p in ("normal", "batch"))
+        lines.append(f"  {mode}: a step {normal:.3f} ms normal, {batch:.3f} ms batch "
+                     f"({normal / batch:.2f} x the step rate)")
+        for policy in ("normal", "batch") if mode != "DDP" else ():
+            ratios = sorted(d / m for d, m in zip(steps_of["DDP", policy],
+                                                  steps_of[mode, policy], strict=True))
+            lines.append(f"    {policy}: {statistics.median(ratios):.2f} x DDP's step rate "
+                         f"({', '.join(f'{x:.2f}' for x in ratios)})")
+    return lines
+
+
 def report(results: dict[str, list[dict]]) -> list[str]:
     """The table: each phase's median over the rounds (ms), a live mode's with its
     difference from DDP's; then each mode's step against DDP's in the same round."""
@@ -315,6 +345,8 @@ def main() -> None:
                         help="count each mode's Python calls a step instead of timing it")
     parser.add_argument("--cpu", action="store_true",
                         help="read each mode's CPU time a process and thread instead")
+    parser.add_argument("--scheduling", action="store_true",
+                        help="time each mode under `shoal run --scheduling normal` and batch")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--calls-from", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--cpu-from", type=int, help=argparse.SUPPRESS)
@@ -329,6 +361,12 @@ def main() -> None:
               f"{args.compression}, 2 live groups of 1 process against 2-process DDP, one "
               "run each")
         print("\n".join(read(args.steps, args.compression, args.skip)))
+        return None
+    if args.scheduling:
+        print(f"a step under each scheduling policy: the digits job, {args.steps} steps, "
+              f"compression {args.compression}, 2 live groups of 1 process and 2-process "
+              f"DDP, {args.rounds} rounds, median steps past {args.skip}")
+        print("\n".join(scheduling(args.rounds, args.steps, args.compression, args.skip)))
         return None
     results = measure(args.rounds, args.steps, args.compression, args.skip)
     print(f"a live step against DDP's: the digits job, {args.steps} steps, compression "

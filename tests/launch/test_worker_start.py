@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""\
     seen = {"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv,
             "cwd": os.getcwd(), "path0": sys.path[0], "preloaded": preloaded,
             "parent": os.getppid(), "session": os.getsid(0) == os.getpid(),
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "policy": os.sched_getscheduler(0),
             "parent_title": open(f"/proc/{os.getppid()}/cmdline").read().strip("\\0")}
     with open(os.path.join(sys.argv[1], f"seen_{attempt}_{os.environ['RANK']}"), "w") as f:
         json.dump(seen, f)
@@ -89,6 +89,7 @@ def test_a_restarted_worker_is_forked_and_sees_what_a_new_process_sees(tmp_path)
         # The same as a worker started as a new process (but for the folder it writes to).
         assert seen["argv"][::2] == command[key]["argv"][::2]
         assert seen["threads"] == 1  # what the launcher set, as a new process reads it
+        assert seen["policy"] == command[key]["policy"] == os.SCHED_BATCH  # (scheduling.py)
         for field in ("env", "cwd", "path0", "session", "threads"):
             assert seen[field] == command[key][field], field
 

@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"unrecognized arguments: {' '.join(extra)}")
     if program and args.command in ("run", "train", "rl"):
         from shoal.cli.run import fork_server_ahead
+        from shoal.launch.scheduling import apply_scheduling
 
+        apply_scheduling(args.scheduling)  # first: everything started from here inherits it
         fork_server_ahead(args)
     try:
         code = args.handler(args)

@@ -20,6 +20,7 @@ from shoal.errors import UsageError
 from shoal.launch import LaunchSpec, launch
 from shoal.launch.config import resolve_nproc
 from shoal.launch.forkserver import fork_server_now
+from shoal.launch.scheduling import SCHEDULINGS
 
 if TYPE_CHECKING:
     from typing import TypedDict
@@ -95,6 +96,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start each worker as a new python process instead of forking "
                         "it from a server that has imported torch (Linux; restarts are "
                         "slower then)")
+    flag(parser, "--scheduling", choices=SCHEDULINGS, default="batch",
+                        help="how Linux schedules the job's processes: 'batch' (default; "
+                        "SCHED_BATCH: a waking thread does not take the core from a working "
+                        "one) or 'normal' (as started)")
     add_torchrun_arguments(parser)
     pet_defaults(parser)
 
@@ -262,6 +267,7 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
         replica_groups=live.replica_groups or 1 if live and live.live else 1,
         fault_tolerance=live,
         preload=args.preload,
+        scheduling=args.scheduling,
         no_python=getattr(args, "no_python", False),
         agent=agent_options(args),
     )

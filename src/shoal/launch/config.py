@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from shoal.errors import UsageError
+from shoal.launch.scheduling import Scheduling
 
 if TYPE_CHECKING:  # imported where live mode is used: the launcher's start does without it
     from shoal.ft import FaultToleranceConfig
@@ -211,6 +212,9 @@ class LaunchSpec:
     """Fork the workers from a server that has imported torch once (Linux), so that a
     restarted worker starts in a fraction of a second; False: each worker is a new
     ``python`` process (shoal.launch.worker_start)."""
+    scheduling: Scheduling = "batch"
+    """How Linux schedules the job's processes (shoal.launch.scheduling); given on to a
+    live mode's group launchers."""
     no_python: bool = False
     """``entry`` is a program of its own, run without the Python bootstrap (torchrun's
     ``--no-python``)."""

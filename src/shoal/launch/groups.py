@@ -62,6 +62,7 @@ def _group_command(spec: LaunchSpec, group: int, host: str) -> list[str]:
         argv.append("--debug")
     if not spec.preload:
         argv.append("--no-preload")
+    argv += ["--scheduling", spec.scheduling]
     if spec.module:
         argv.append("-m")
     return [*argv, spec.entry, *spec.args]
