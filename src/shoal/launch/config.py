@@ -213,8 +213,9 @@ class LaunchSpec:
     restarted worker starts in a fraction of a second; False: each worker is a new
     ``python`` process (shoal.launch.worker_start)."""
     scheduling: Scheduling = "batch"
-    """How Linux schedules the job's processes (shoal.launch.scheduling); given on to a
-    live mode's group launchers."""
+    """How Linux schedules the job's processes (shoal.launch.scheduling). The `shoal`
+    command applies it to itself before it starts anything; a launch from Python leaves the
+    calling process as it is. Given on to a live mode's group launchers."""
     no_python: bool = False
     """``entry`` is a program of its own, run without the Python bootstrap (torchrun's
     ``--no-python``)."""

@@ -16,10 +16,10 @@ Measured in docs/launcher.md ("Scheduling").
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Literal, get_args
 
 Scheduling = Literal["batch", "normal"]
-SCHEDULINGS: tuple[Scheduling, ...] = ("batch", "normal")
+SCHEDULINGS: tuple[Scheduling, ...] = get_args(Scheduling)
 
 
 def apply_scheduling(scheduling: Scheduling) -> bool:
