@@ -2,7 +2,7 @@
 
     live_job.py OUT STEPS [--kill GROUP:STEP[:SIGNAL[:RANK]]]... [--pace STEP:SECONDS]
                 [--hold STEP] [--late] [--heal-fails G:R] [--checkpoints DIR[:SECONDS]]
-                [--metrics DIR[:EVERY]]
+                [--metrics DIR[:EVERY]] [--stall G:S:R:SECONDS]
                 [--strategy S] [--compression C] [--period H] [--backend gloo|nccl]
 
 Every worker writes its pid per attempt (OUT/pid.g<group>.a<attempt>.r<rank>) and, at the
@@ -10,7 +10,8 @@ end, the whole model and optimizer state keyed by name, the same under every str
 (OUT/final.g<group>.r<rank>.pt). ``--kill G:S`` makes group G's rank 0 (or RANK) kill
 itself (SIGKILL) in the forward pass of step S + 1, once (a marker file remembers it),
 i.e. mid-step, before its gradients reach the other groups; ``--kill G:S:SIGSTOP`` freezes
-it there instead.
+it there instead. ``--stall G:S:R:SECONDS``: group G's rank R sleeps SECONDS there instead,
+once (a process that stalls: it notices nothing meanwhile).
 ``--pace K:S``: after step K group 0 waits until a replacement of group 1 has built its
 trainer (it is about to train), then takes at least S seconds per step until the
 replacement has taken a step (so that it rejoins before the run ends, under policy
@@ -58,6 +59,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("steps", type=int)
 parser.add_argument("--kill", action="append", default=[])
+parser.add_argument("--stall", default=None,
+                    help="G:S:R:SECONDS: group G's rank R sleeps in the forward of step S + 1")
 parser.add_argument("--pace", default=None)
 parser.add_argument("--metrics", default=None,
                     help="write step metrics to this directory (a window every EVERY steps)")
@@ -124,6 +127,16 @@ trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), b
                             "resume": "auto", **({"checkpoint_every_seconds": float(every[0])}
                                                  if every else {"checkpoint_every": 1})}
                            if args.checkpoints else {}))
+if args.stall and attempt == 0:
+    import time
+
+    g, step, r, seconds = args.stall.split(":")
+    if int(g) == group and int(r) == rank:
+        def stall(*_, step=int(step), stalled=[]):  # noqa: B006 - once a process
+            if trainer.global_step == step and not stalled:
+                stalled.append(True)
+                time.sleep(float(seconds))
+        model.register_forward_pre_hook(stall)
 for spec in args.kill:
     g, step, *sig = spec.split(":")
     if int(g) == group and rank == (int(sig[1]) if len(sig) > 1 else 0):

@@ -409,6 +409,26 @@ def test_a_signal_to_one_process_of_a_group_at_a_quorum_stops_the_whole_group(tm
     assert "resumed from" in output and "(step 6, epoch 0, saved by 2 processes)" in output
 
 
+def test_a_group_whose_peer_stalls_as_its_own_peer_dies_is_not_stopped(tmp_path):
+    """Policy 'exact', groups of 2 processes, collectives across groups given 3 s: in step 7
+    group 1's rank 0 is SIGKILLed while its rank 1 stalls (8 s, in the forward pass; it
+    saves on SIGTERM, so its agent waits for it), so
+    that group 0's rank 0 finds its peer gone at once and is at the step's vote, while its
+    rank 1 waits for its stalled peer until the collective's deadline. The vote waits for
+    both: step 7 does not commit, group 0 goes on without a restart, and group 1's
+    replacement heals from it. (Before, the vote had the collective's deadline too: rank 0
+    gave up as rank 1 came, group 0 stopped, and the job started again from step 0.)"""
+    out = tmp_path / "live"
+    output = _finish(_shoal_run(out, "--replica-groups", "2", "--nproc-per-node", "2",
+                                "--max-restarts", "1", "--ft-step-timeout", "3",
+                                job=("--kill", "1:6", "--stall", "1:6:1:8", "--checkpoints",
+                                     f"{tmp_path / 'ckpt'}:1000")))
+    assert "replica group 0: step 7 did not commit" in output, output[-6000:]
+    assert sorted(p.name for p in out.glob("pid.g0.*")) == ["pid.g0.a0.r0", "pid.g0.a0.r1"], \
+        output[-6000:]
+    assert "replica group 1: healed from a live group at step 6" in output, output[-6000:]
+
+
 def _running(processes: list[psutil.Process]) -> list[psutil.Process]:
     """Those of ``processes`` still running (a zombie has ended)."""
     left = []

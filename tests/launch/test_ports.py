@@ -1,6 +1,8 @@
 """Ports a launcher picks for a server that another process opens later."""
 
 import socket
+import subprocess
+import sys
 
 import pytest
 from torch.distributed import HashStore
@@ -32,6 +34,28 @@ def test_a_taken_port_is_never_drawn(monkeypatch):
                             lambda self, a, b: next(draws, None) or draw(self, a, b))
         monkeypatch.setattr(ports, "ephemeral_ports", lambda: range(60000, 61000))
         assert ports.free_port() != taken
+
+
+def test_a_port_another_process_drew_and_has_not_bound_is_never_drawn(monkeypatch):
+    """Two launchers that draw at once: the second never gets the port the first drew, free
+    as it still is until the first's worker binds it (before, both could: EADDRINUSE in
+    one of the jobs). Once the first process has ended, the port can be drawn again."""
+    monkeypatch.setattr(ports, "ephemeral_ports", lambda: range(32768, 61000))
+    first = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from shoal.launch import ports; "
+         "print(ports.free_port(), flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        drawn = int(first.stdout.readline())
+        draw = ports.random.SystemRandom.randrange
+        draws = iter([drawn, drawn])
+        monkeypatch.setattr(ports.random.SystemRandom, "randrange",
+                            lambda self, a, b: next(draws, None) or draw(self, a, b))
+        assert ports.free_port() != drawn
+    finally:
+        first.communicate("", timeout=60)
+    draws = iter([drawn])
+    assert ports.free_port() == drawn
 
 
 def test_without_room_below_the_range_the_os_picks(monkeypatch):

@@ -56,8 +56,9 @@ class FaultToleranceConfig(BaseModel):
     """How long the lighthouse waits for the groups of the last quorum before forming a new
     one without those that are missing."""
     step_timeout_s: float = Field(10.0, gt=0)
-    """The longest a collective across groups, a commit vote or a heal transfer may take
-    before the step is given up (and done again)."""
+    """The longest a collective across groups or a heal transfer may take before the step
+    is given up (and done again). A group of several processes votes on the step within
+    twice this: its other processes may each still be in a collective."""
     replacement_timeout_s: float = Field(120.0, gt=0)
     """Policy 'exact': how long the other groups wait for a replacement before they give up
     and fall back to the restart from the last checkpoint."""

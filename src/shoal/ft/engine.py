@@ -182,6 +182,12 @@ class Replica:
             # second: asked again every quarter of a second, it is met at once.
             quorum_retries=max(20, math.ceil(quorum_wait / _RETRY_EVERY_S)))
         self._manager._client = _UniqueQuorumIds(self._manager._client)
+        # A process at the vote waits for the others of its group, which may each still be
+        # in the step's collective across groups, up to that collective's deadline: with
+        # only that deadline of its own, a process whose collective failed at once (its peer
+        # died) gives up as a process whose peer stalls reaches the vote, and a survivor
+        # group stops. Twice the deadline: the collective's, and as much again for the rest.
+        self._vote_timeout = 2 * step
         self._alone = group_size == 1 and all(
             hasattr(self._manager, name) for name in _COMMIT_FIELDS)
         from torch.distributed import AllreduceOptions, ReduceOp
@@ -375,7 +381,7 @@ class Replica:
         """Whether every group of the step may apply it: nothing failed, and under 'exact'
         every group took part (the manager's minimum replica count)."""
         if not self._alone:
-            return self._manager.should_commit()
+            return self._manager.should_commit(timeout=self._vote_timeout)
         # One process a group: the vote inside the group is this process's own, so the
         # round trip to the group's manager server that should_commit makes is skipped;
         # the rest is torchft 0.2.0's should_commit, line for line.

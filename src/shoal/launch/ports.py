@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import random
 import socket
+import tempfile
+from collections import deque
+
+try:
+    import fcntl
+except ImportError:  # Windows: no claims, the draw alone
+    fcntl = None  # type: ignore[assignment]
 
 from shoal.errors import UsageError
 
@@ -14,6 +23,10 @@ from shoal.errors import UsageError
 _LOWEST, _HIGHEST = 15000, 30000
 _NAMED = range(29400, 29511)  # torchrun's c10d endpoint (29400), MASTER_PORT (29500) and next
 _TRIES = 64
+# Ports this process claimed (``_claim``), the oldest first: the lock of each is held while
+# the process lives, or until it has claimed this many more.
+_KEPT_CLAIMS = 32
+_claims: deque[int] = deque()
 
 
 def ephemeral_ports() -> range:
@@ -49,6 +62,32 @@ def _bindable(port: int) -> bool:
     return False
 
 
+def _claim(port: int) -> bool:
+    """Claim ``port`` among the processes of shoal on this machine: an exclusive lock on a
+    file named after it (in the temporary directory's ``shoal-ports``, which keeps these
+    empty files), which this process holds while it lives. False where another process
+    holds it: it drew that port and has not yet bound it, or still uses it. Where no
+    such file can be made, True: the draw alone decides."""
+    if fcntl is None:
+        return True
+    folder = os.path.join(tempfile.gettempdir(), "shoal-ports")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, str(port)), os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _claims.append(fd)
+    if len(_claims) > _KEPT_CLAIMS:
+        with contextlib.suppress(OSError):
+            os.close(_claims.popleft())
+    return True
+
+
 def free_port(host: str = "") -> int:
     """A port that is free now and that another process will hardly take before the one it
     is meant for binds it (a store a worker opens seconds later, a daemon still importing).
@@ -58,13 +97,18 @@ def free_port(host: str = "") -> int:
     machine one of them can take it in that gap (EADDRINUSE where the store starts). This
     draws at random below that range, where only a program that names the port binds it;
     where the range leaves no room below it, the OS picks (port 0 on ``host``, default
-    every address)."""
+    every address).
+
+    Two processes of shoal that draw at once may draw the same port, and both find it
+    free (on a machine that runs many jobs or tests at once, a port in a few thousand
+    draws): each claims the port it draws (``_claim``), and none takes one that another
+    has claimed."""
     top = min(ephemeral_ports().start, _HIGHEST)
     if top > _LOWEST + 1000:
         draw = random.SystemRandom()
         for _ in range(_TRIES):
             port = draw.randrange(_LOWEST, top)
-            if port not in _NAMED and _bindable(port):
+            if port not in _NAMED and _claim(port) and _bindable(port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
