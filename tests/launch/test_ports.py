@@ -40,6 +40,8 @@ def test_a_port_another_process_drew_and_has_not_bound_is_never_drawn(monkeypatc
     """Two launchers that draw at once: the second never gets the port the first drew, free
     as it still is until the first's worker binds it (before, both could: EADDRINUSE in
     one of the jobs). Once the first process has ended, the port can be drawn again."""
+    if min(ports.ephemeral_ports().start, 30000) <= 16000:  # the first process's draw
+        pytest.skip("this machine's ephemeral range leaves no room below it: the OS picks")
     monkeypatch.setattr(ports, "ephemeral_ports", lambda: range(32768, 61000))
     first = subprocess.Popen(
         [sys.executable, "-c", "import sys; from shoal.launch import ports; "
