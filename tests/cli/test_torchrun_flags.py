@@ -5,6 +5,10 @@ of its spellings, and the values reach torch's LaunchConfig as torchrun's do."""
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 from torch.distributed.run import config_from_args, get_args_parser
@@ -12,7 +16,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from shoal.cli.main import build_parser
 from shoal.cli.run import spec_from_args
 from shoal.launch.launcher import build_launch_config
-from tests.helpers import run_shoal_in_process
+from tests.helpers import run_shoal, run_shoal_in_process
 
 # A value for each of torchrun's flags that takes one (test hosts' addresses only).
 SAMPLES = {
@@ -186,3 +190,41 @@ def test_help_shows_one_spelling_of_each_flag():
     text = _shoal_run_parser().format_help()
     assert "--nproc-per-node" in text and "--nproc_per_node NPROC" not in text
     assert "torchrun's spelling with underscores" in " ".join(text.split())
+
+
+# What a worker sees of how it was started, one line each.
+SEEN = ("import os, sys\n"
+        "print('seen', os.environ['RANK'], os.environ['WORLD_SIZE'], sys.argv, __file__, "
+        "sys.path[0])\n")
+LAUNCHED = {
+    # python and torchrun keep sys.argv[0] as typed (before, shoal made it absolute)
+    "script as typed": (["--nproc_per_node=1", "seen.py", "a"], {}),
+    # a module in the working folder, as `python -m` finds it (before: "module not found")
+    "-m local module": (["--nproc_per_node=1", "-m", "seen", "a"], {}),
+    # a free port chosen by the OS (before: refused, "must be HOST:PORT")
+    "c10d port 0": (["--nproc_per_node=2", "--rdzv_backend=c10d",
+                     "--rdzv_endpoint=localhost:0", "seen.py"], {}),
+    # an empty template is no prefix (before: "[rank0]: ")
+    "empty prefix template": (["--nproc_per_node=1", "seen.py"],
+                              {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": ""}),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(LAUNCHED))
+def test_a_command_line_launches_as_under_torchrun(case, tmp_path):
+    """The same command line, in the same folder, under torchrun and under `shoal run`: the
+    same exit status, and every worker sees the same (its lines, of any order)."""
+    argv, env = LAUNCHED[case]
+    (tmp_path / "seen.py").write_text(SEEN)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    torchrun = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"),
+                               *argv], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=100, env=full_env)
+    shoal = run_shoal("run", *argv, cwd=str(tmp_path), env=env, timeout=100)
+    assert shoal.returncode == torchrun.returncode == 0, (shoal.stderr, torchrun.stderr)
+    theirs = sorted(torchrun.stdout.splitlines())
+    ours = sorted(shoal.stdout.splitlines())
+    if not env:  # shoal names each line's rank, where torchrun shows none
+        ours = sorted(re.sub(r"^\[rank\d+\]: ", "", line) for line in ours)
+    assert len(theirs) == int(argv[0].split("=")[1]) and ours == theirs, (ours, theirs)

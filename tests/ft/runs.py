@@ -70,15 +70,16 @@ class Runs:
                 process.wait()
 
 
-def start_piped(cmd: list[str]) -> subprocess.Popen | zygote.Forked:
+def start_piped(cmd: list[str], cwd: Path | None = None) -> subprocess.Popen | zygote.Forked:
     """``cmd`` with its output (stderr too) in an unbuffered pipe: ``stdout.readline()``
     reads no further than the line, so that ``communicate`` then reads all the rest.
-    A `python -m shoal` command is forked by the tests' zygote where there is one."""
+    A `python -m shoal` command is forked by the tests' zygote where there is one. ``cwd``:
+    where it runs (default: here)."""
+    where = str(cwd or os.getcwd())
     if cmd[1:3] == ["-m", "shoal"]:
-        return popen_shoal(*cmd[3:], cwd=os.getcwd(), stderr_to_stdout=True,
-                           env=FORKED_FIRST)
+        return popen_shoal(*cmd[3:], cwd=where, stderr_to_stdout=True, env=FORKED_FIRST)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=where)
 
 
 def final(out: Path, group: int = 0, rank: int = 0) -> dict:

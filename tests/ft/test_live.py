@@ -317,25 +317,56 @@ def test_a_signal_while_a_replacement_redoes_its_steps_saves_once(tmp_path):
     assert [p.name for p in folder.iterdir()] == ["step_000000017"]
 
 
-def _torchrun_script(folder: Path) -> Path:
-    """A torchrun script: it sets up torch.distributed and DDP itself."""
+def _torchrun_script(folder: Path, trainer_import: bool = False) -> Path:
+    """A torchrun script: it sets up torch.distributed and DDP itself (``trainer_import``:
+    and imports shoal.Trainer, without training through it)."""
     script = folder / "plain.py"
     script.write_text(
         "import torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\n"
+        + ("from shoal import Trainer\n" if trainer_import else "")
+        + "dist.init_process_group('gloo')\n"
         "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))\n"
         "model(torch.ones(2, 4)).sum().backward()\n"
         "print('world', dist.get_world_size())\n"
+        "open('out.txt', 'a').write('written')\n"
         "dist.destroy_process_group()\n")
     return script
 
 
-def test_a_script_without_the_trainer_is_told_its_groups_trained_apart(tmp_path):
-    """A torchrun script under `--replica-groups 2`: each group is a job of its own, which
-    never meets the other. One line says so as the script ends (before, nothing did: two
-    trainings apart, exit 0)."""
+def test_a_script_without_the_trainer_is_refused_before_anything_starts(tmp_path):
+    """A torchrun script under `--replica-groups 2` would be two jobs writing the same
+    files (before, both trained and exit 0): refused in one line that says why and what to
+    do, before any worker or lighthouse starts."""
     run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
-                       str(_torchrun_script(tmp_path))])
+                       str(_torchrun_script(tmp_path))], cwd=tmp_path)
+    output = run.communicate(timeout=TIMEOUT)[0].decode()
+    assert run.returncode == 2, output
+    assert output.count("\n") == 1, output
+    assert "does not train through shoal.Trainer" in output
+    assert "run without --replica-groups, or add --independent-copies" in output
+    assert not (tmp_path / "out.txt").exists()
+
+
+def test_independent_copies_each_write_in_a_folder_of_their_own(tmp_path):
+    """Asked for on the command line, the copies run, each in replica-group-<g>/: no two
+    write the same file."""
+    run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
+                       "--independent-copies", str(_torchrun_script(tmp_path))], cwd=tmp_path)
+    output = _finish(run)
+    assert output.count("[group0 rank0]: world 1") == output.count(
+        "[group1 rank0]: world 1") == 1, output
+    assert "2 independent copies x 1 process, which never meet" in output
+    assert [p.read_text() for p in sorted(tmp_path.glob("replica-group-*/out.txt"))] == \
+        ["written", "written"]
+    assert not (tmp_path / "out.txt").exists()
+
+
+def test_a_script_that_does_not_train_through_the_trainer_is_told_its_groups_trained_apart(
+        tmp_path):
+    """A script that imports shoal.Trainer but sets up torch.distributed itself: each group
+    is a job of its own, which never meets the other. One line says so as the script ends."""
+    run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
+                       str(_torchrun_script(tmp_path, trainer_import=True))], cwd=tmp_path)
     output = _finish(run)
     assert output.count("[group0 rank0]: world 1") == output.count(
         "[group1 rank0]: world 1") == 1, output
@@ -348,7 +379,7 @@ def test_the_groups_show_their_workers_as_torchruns_flags_say(tmp_path):
     they were dropped: the groups showed their lines as by default)."""
     run = start_piped([sys.executable, "-m", "shoal", "run", "--replica-groups", "2",
                        "--log-line-prefix-template", "${role_name}/${rank}> ",
-                       str(_torchrun_script(tmp_path))])
+                       str(_torchrun_script(tmp_path, trainer_import=True))], cwd=tmp_path)
     output = _finish(run)
     assert output.count("default/0> world 1") == 2, output
     assert "[rank0]" not in output, output

@@ -1,6 +1,6 @@
 """Every way a Python process ends, run under one launcher (never collected by pytest).
 
-    python tests/launch/endings.py torchrun|shoal-forked|shoal-no-preload SCRIPT_DIR
+    python tests/launch/endings.py torchrun|shoal-forked|shoal-no-preload|shoal-torchrun-codes DIR
 
 Writes SCRIPT_DIR/ends.py, a script that ends in the way its first argument names, on
 rank 1 only ("one") or on every rank ("all"), and runs it under the launcher once per
@@ -11,6 +11,7 @@ torchrun's ``main`` returns for 0 and raises for a failure, which the interprete
 1. Prints one JSON line: {"ENDING/SCOPE": status}. ``shoal-forked`` forks every attempt's
 workers from the preloaded server, the first one's too, as a live replica group does (a
 job's first workers are otherwise new processes, and only restarted ones are forked).
+``shoal-torchrun-codes`` runs with ``--torchrun-exit-codes``, on rank 1 only.
 """
 
 import json
@@ -64,14 +65,17 @@ def main() -> None:
     with open(script, "w") as f:
         f.write(SCRIPT)
     run = _torchrun if launcher == "torchrun" else _shoal
-    flags = ["--no-preload"] if launcher == "shoal-no-preload" else []
+    flags = {"shoal-no-preload": ["--no-preload"],
+             "shoal-torchrun-codes": ["--torchrun-exit-codes"]}.get(launcher, [])
     if launcher == "shoal-forked":
         from shoal.launch.worker_start import FORK_FIRST_ENV
 
         os.environ[FORK_FIRST_ENV] = "1"
     statuses = {}
+    # (--torchrun-exit-codes changes only the launcher's own status: one rank is enough)
+    scopes = ("one",) if launcher == "shoal-torchrun-codes" else ("one", "all")
     for ending in ENDINGS:
-        for scope in ("one", "all"):
+        for scope in scopes:
             statuses[f"{ending}/{scope}"] = run(["--nproc-per-node", "2", *flags, script,
                                                  ending, scope])
     sys.stdout.flush()

@@ -1,8 +1,8 @@
 """Every way a Python process ends, under `shoal run` (workers forked from the preloaded
 server, as every restart's are, and new processes, as the first attempt's and
 --no-preload's are) and under torchrun, on the same script: the job succeeds exactly where
-torchrun's does, and fails with the rank's own status where torchrun says 1
-(docs/launcher.md, "How a job ends")."""
+torchrun's does, and fails with the rank's own status where torchrun says 1, or with 1 under
+--torchrun-exit-codes (docs/launcher.md, "How a job ends")."""
 
 from __future__ import annotations
 
@@ -46,3 +46,9 @@ def test_every_ending_ends_the_job_as_under_torchrun(launcher, torchrun, tmp_pat
         # rank's process itself ended with.
         assert status == (0 if OWN_STATUS[case.split("/")[0]] == 0 else 1), case
         assert shoal[case] == OWN_STATUS[case.split("/")[0]], case
+
+
+@pytest.mark.timeout(900)
+def test_torchrun_exit_codes_end_every_job_with_torchruns_status(torchrun, tmp_path):
+    shoal = _statuses("shoal-torchrun-codes", tmp_path)
+    assert shoal == {case: status for case, status in torchrun.items() if case.endswith("/one")}

@@ -130,6 +130,25 @@ def test_killing_the_launcher_leaves_no_worker(script):
     assert processes_with(script.name) == []
 
 
+def test_a_signal_to_the_launcher_ends_it_as_torchrun_under_torchrun_exit_codes(script):
+    """torchrun exits 1 when it is stopped by a signal; shoal 128 + the signal, or 1 under
+    --torchrun-exit-codes (the workers are stopped either way)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shoal", "run", "--torchrun-exit-codes", "--nproc-per-node", "2",
+         str(script), "sleep"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    ready = [script.with_name(f"{script.name}.ready{r}") for r in (0, 1)]
+    deadline = time.time() + 60  # a hang guard
+    while not all(p.exists() for p in ready) and time.time() < deadline:
+        time.sleep(0.2)
+    assert all(p.exists() for p in ready), "workers never got past init_process_group"
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=90)
+    assert launcher.returncode == 1, err
+    assert "stopped by SIGTERM" in err
+    assert processes_with(script.name) == []
+
+
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
 def test_a_launcher_that_is_pid_1_runs_its_workers(script):
     """`shoal run` as the first process of its pid namespace, as in a container started

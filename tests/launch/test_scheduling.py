@@ -14,7 +14,10 @@ from tests.helpers import run_shoal
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's policies")
 
-POLICY = "import os\nprint('scheduling-policy', os.environ.get('SHOAL_FT_GROUP', '-'), " \
+# (A live job's script trains through shoal.Trainer: launching one is refused otherwise.
+# This one only reads its policy.)
+POLICY = "import os\nfrom shoal import Trainer\n" \
+         "print('scheduling-policy', os.environ.get('SHOAL_FT_GROUP', '-'), " \
          "os.environ['RANK'], os.sched_getscheduler(0))\n"
 
 

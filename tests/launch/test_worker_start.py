@@ -101,6 +101,7 @@ def test_each_process_of_a_live_job_runs_one_thread(tmp_path):
     pytest.importorskip("torchft")
     script = tmp_path / "job_threads.py"
     script.write_text("import os, sys, torch\n"
+                      "from shoal import Trainer  # (only a Trainer's script runs live)\n"
                       "group = os.environ['SHOAL_FT_GROUP']\n"
                       "path = os.path.join(sys.argv[1], 'threads_' + group)\n"
                       "open(path, 'w').write(str(torch.get_num_threads()))\n")

@@ -63,6 +63,13 @@ def _end_now(code: int) -> None:
     os._exit(code)
 
 
+def torchrun_status(code: int) -> int:
+    """What torchrun exits with where shoal exits with ``code``: 0, or 1 for any failure
+    (a rank's, a signal to the launcher, a hang). A command line refused before anything
+    starts is 2 under both, as argparse's errors are."""
+    return 0 if code == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     program = argv is None  # the `shoal` command itself, not a call from Python
     argv = sys.argv[1:] if argv is None else argv
@@ -88,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("shoal: interrupted\n")
-        return 130
+        code = 130
+    if getattr(args, "torchrun_exit_codes", False):
+        code = torchrun_status(code)
     if program and args.command == "run":
         _end_now(code)
     return code

@@ -78,6 +78,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="live recovery: run R replica groups on this node, each with its "
                         "own workers and restarts; a failed group heals from a live one while "
                         "the others wait or go on (implies --ft-mode live)")
+    flag(parser, "--independent-copies", action="store_true",
+                        help="with --replica-groups R, for a script that does not train "
+                        "through shoal.Trainer: run R copies of the job that never meet "
+                        "(no live recovery), each in a working folder of its own, "
+                        "replica-group-<g>/")
     flag(parser, "--ft-policy", choices=["exact", "available"], default=None,
                         help="live mode: 'exact' (default) waits for the replacement and "
                         "ends bitwise equal to a run without failures; 'available' goes on "
@@ -100,6 +105,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how Linux schedules the job's processes: 'batch' (default; "
                         "SCHED_BATCH: a waking thread does not take the core from a working "
                         "one) or 'normal' (as started)")
+    flag(parser, "--torchrun-exit-codes", action="store_true",
+                        help="exit as torchrun does: 0 when every rank succeeded, else 1 "
+                        "(default: the status of the rank that failed first, 137 for a "
+                        "SIGKILL)")
     add_torchrun_arguments(parser)
     pet_defaults(parser)
 
@@ -241,7 +250,18 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
     counts: _NodeCounts = (_node_counts(args.nnodes) if args.nnodes is not None
                            else {"nnodes": cast(int, node.nnodes) if node else 1,
                                  "min_nodes": None})
-    live = live_settings(args, fault_tolerance, counts["nnodes"] or 1)
+    copies = getattr(args, "independent_copies", False)
+    if copies:
+        if args.replica_groups is None:
+            raise UsageError("--independent-copies needs --replica-groups R, the number of "
+                             "copies")
+        if any(getattr(args, name) is not None for name in _LIVE_FLAGS[2:]) or \
+                args.ft_mode == "live":
+            raise UsageError("--independent-copies runs copies that never meet: drop "
+                             "--ft-mode, --ft-policy, --lighthouse and --ft-*-timeout")
+        live = None
+    else:
+        live = live_settings(args, fault_tolerance, counts["nnodes"] or 1)
     return LaunchSpec(
         entry=entry,
         args=script_args,
@@ -264,7 +284,9 @@ def spec_from_args(args: argparse.Namespace, entry: str, script_args: list[str],
                             live.default_hang_timeout_s if live and live.live else 600.0)
         or None,
         debug=args.debug,
-        replica_groups=live.replica_groups or 1 if live and live.live else 1,
+        replica_groups=args.replica_groups if copies
+        else live.replica_groups or 1 if live and live.live else 1,
+        independent_copies=copies,
         fault_tolerance=live,
         preload=args.preload,
         scheduling=args.scheduling,

@@ -169,6 +169,16 @@ def apply_torchrun_rendezvous(args: argparse.Namespace) -> None:
     args.rdzv_extra = conf
 
 
+def _prefix_template(args: argparse.Namespace) -> str:
+    """The flag, else the variable, else shoal's default; as under torchrun, an empty one
+    (given or set) means no prefix."""
+    for given in (getattr(args, "log_line_prefix_template", None),
+                  os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")):
+        if given is not None:
+            return given
+    return AgentOptions.log_line_prefix_template
+
+
 def agent_options(args: argparse.Namespace) -> AgentOptions:
     """The elastic agent's settings that torchrun's flags give, passed on as given (a
     replica group's launcher: those of the live job's flags)."""
@@ -186,8 +196,7 @@ def agent_options(args: argparse.Namespace) -> AgentOptions:
         redirects=get("redirects", "0"),
         tee=get("tee", "0"),
         local_ranks_filter=get("local_ranks_filter"),
-        log_line_prefix_template=get("log_line_prefix_template") or os.environ.get(
-            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or "[rank${rank}]: ",
+        log_line_prefix_template=_prefix_template(args),
         duplicate_stdout_filters=tuple(get("duplicate_stdout_filters", ())),
         duplicate_stderr_filters=tuple(get("duplicate_stderr_filters", ())),
         local_addr=get("local_addr"),

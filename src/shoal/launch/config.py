@@ -15,6 +15,17 @@ if TYPE_CHECKING:  # imported where live mode is used: the launcher's start does
     from shoal.ft import FaultToleranceConfig
 
 
+DEFAULT_RDZV_PORT = 29400  # torchrun's, for a c10d endpoint given without a port
+
+
+def with_port(endpoint: str) -> str:
+    """``HOST:PORT`` for a c10d endpoint given as ``HOST`` (``[::1]`` too): torchrun's
+    default port."""
+    if ":" not in endpoint or endpoint.endswith("]"):
+        return f"{endpoint}:{DEFAULT_RDZV_PORT}"
+    return endpoint
+
+
 def resolve_nproc(value: int | str) -> int:
     """Turn ``--nproc-per-node`` into a count: ``auto`` is one per GPU, else one per CPU core
     this process may run on."""
@@ -204,7 +215,12 @@ class LaunchSpec:
     """Check every collective across ranks (operation, shapes, dtypes); slower."""
     replica_groups: int = 1
     """Live mode: this many replica groups on this node, each its own agent and workers
-    (``nproc_per_node`` each) and its own restarts (the job has ``nnodes`` times as many)."""
+    (``nproc_per_node`` each) and its own restarts (the job has ``nnodes`` times as many).
+    With ``independent_copies``: this many copies of the job."""
+    independent_copies: bool = False
+    """Run ``replica_groups`` copies of the job that never meet, each in a working folder
+    of its own (``replica-group-<g>/``), instead of live mode's groups (which only a script
+    that trains through shoal.Trainer can be)."""
     fault_tolerance: FaultToleranceConfig | None = None
     """Live recovery's settings (policy, timeouts); None: restarts (the default), as
     ``mode: restart``."""
@@ -241,6 +257,7 @@ class LaunchSpec:
                              f"{self.min_nodes}:{self.nnodes}")
         if self.rdzv_endpoint is not None:
             self._check_rdzv()
+            self.rdzv_endpoint = with_port(self.rdzv_endpoint)
         elif self.min_nodes is not None and self.min_nodes < self.nnodes:
             raise UsageError("--nnodes MIN:MAX (elastic) needs c10d rendezvous: give "
                              "--rdzv-endpoint HOST:PORT and --rdzv-id JOB")
@@ -265,11 +282,21 @@ class LaunchSpec:
             raise UsageError(f"script not found: {self.entry}")
         if self.module:
             self._check_module_importable()
+        if self.independent_copies and (self.nnodes > 1 or self.live):
+            raise UsageError("--independent-copies runs copies of the job on this node that "
+                             "never meet: drop --nnodes and the live-mode flags")
+        if self.live and not self.ours:
+            self._check_trains_through_shoal()
 
     def _check_rdzv(self) -> None:
-        host, _, port = (self.rdzv_endpoint or "").rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {self.rdzv_endpoint!r}")
+        host, _, port = with_port(self.rdzv_endpoint or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise UsageError(f"--rdzv-endpoint must be HOST or HOST:PORT, got "
+                             f"{self.rdzv_endpoint!r}")
+        if int(port) == 0 and self.nnodes > 1:
+            raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint}: port 0 lets this node's "
+                             "system pick the store's port, which the other nodes cannot "
+                             "know: give the port every node meets at")
         if not self.rdzv_id:
             raise UsageError("--rdzv-endpoint needs --rdzv-id JOB (the same on every node)")
         if self.rdzv_last_call < 0:
@@ -293,14 +320,25 @@ class LaunchSpec:
         return self.rdzv_endpoint is not None
 
     def _check_module_importable(self) -> None:
-        import importlib.util
+        from shoal.launch.entry import find_module
 
-        try:
-            found = importlib.util.find_spec(self.entry)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
+        if find_module(self.entry, os.getcwd()) is None:
             raise UsageError(f"module not found: {self.entry}")
+
+    def _check_trains_through_shoal(self) -> None:
+        """Live mode's groups meet only in shoal's Trainer: a script that sets up
+        torch.distributed itself would run as that many copies writing the same files."""
+        from shoal.launch.entry import trains_through_shoal
+
+        what = f"{'module' if self.module else 'script'} {self.entry}"
+        if self.no_python or not trains_through_shoal(self.entry, self.module, os.getcwd()):
+            raise UsageError(
+                f"live mode: the {what} does not train through shoal.Trainer (no use of "
+                "shoal.Trainer or shoal.Harness found in it or the modules of yours it "
+                "imports), and only the Trainer meets the other replica groups: each group "
+                "would be a copy of the job writing the same files. Train through "
+                "shoal.Trainer, run without --replica-groups, or add --independent-copies "
+                "for copies that each run in a folder of their own")
 
     @property
     def world_size(self) -> int:

@@ -27,15 +27,16 @@ from shoal.runtime.parent import die_with_parent
 
 
 class ForkedCommand:
-    """``shoal ARGV`` in a child forked now, with the environment ``env``."""
+    """``shoal ARGV`` in a child forked now, with the environment ``env``, in the working
+    folder ``cwd`` (None: this process's)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]):
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str | None = None):
         for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
             stream.flush()
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _become(argv, env, parent)
+            _become(argv, env, parent, cwd)
         self.pid = pid
         self.returncode: int | None = None
 
@@ -60,7 +61,7 @@ class ForkedCommand:
         self.send_signal(signal.SIGTERM)
 
 
-def _become(argv: list[str], env: dict[str, str], parent: int) -> NoReturn:
+def _become(argv: list[str], env: dict[str, str], parent: int, cwd: str | None) -> NoReturn:
     """In the child of ``parent``: run ``shoal ARGV`` and exit with its status; never
     returns."""
     code = 1
@@ -75,6 +76,8 @@ def _become(argv: list[str], env: dict[str, str], parent: int) -> NoReturn:
         os.environ.clear()
         os.environ.update(env)
         drop_server()  # its parent's: this command makes its own
+        if cwd is not None:
+            os.chdir(cwd)
         sys.argv = [sys.argv[0], *argv]
         runpy.run_module("shoal", run_name="__main__", alter_sys=True)  # python -m shoal
         code = 0

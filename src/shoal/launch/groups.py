@@ -49,8 +49,9 @@ class GroupSet:
         return self.local < self.total
 
 
-def _group_command(spec: LaunchSpec, group: int, host: str) -> list[str]:
-    """The group's `shoal run`, after ``shoal``."""
+def _group_command(spec: LaunchSpec, group: int, host: str, entry: str | None = None
+                   ) -> list[str]:
+    """The group's `shoal run`, after ``shoal`` (``entry``: in place of ``spec.entry``)."""
     # --master-addr: the group's store is where the other groups' process group meets it.
     argv = ["run", "--nproc-per-node", str(spec.nproc_per_node),
             "--master-addr", host,
@@ -65,7 +66,7 @@ def _group_command(spec: LaunchSpec, group: int, host: str) -> list[str]:
     argv += ["--scheduling", spec.scheduling]
     if spec.module:
         argv.append("-m")
-    return [*argv, spec.entry, *spec.args]
+    return [*argv, entry or spec.entry, *spec.args]
 
 
 def _say(message: str) -> None:
@@ -92,6 +93,60 @@ def launch_groups(spec: LaunchSpec) -> int:
          f"{config.policy}, lighthouse {address}"
          + (f" (pid {lighthouse.process.pid})" if lighthouse else ""))
     return run_groups(spec, config, address, lighthouse, GroupSet(0, groups, groups))
+
+
+def copy_folder(group: int) -> str:
+    """The working folder of copy ``group`` of ``--independent-copies``."""
+    return os.path.abspath(f"replica-group-{group}")
+
+
+def launch_copies(spec: LaunchSpec) -> int:
+    """``--independent-copies``: ``spec.replica_groups`` copies of the job that never meet,
+    each its own `shoal run` (with its own restarts) in a folder of its own, so that no two
+    write the same files. The job ends when every copy has; its exit code is the first
+    failed copy's."""
+    groups = range(spec.replica_groups)
+    here = os.getcwd()
+    # The script's own folder stays where it is; a module is found from here, as before.
+    entry = spec.entry if spec.module else os.path.abspath(spec.entry)
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    for group in groups:
+        os.makedirs(copy_folder(group), exist_ok=True)
+    each = f"{spec.nproc_per_node} process{'es' if spec.nproc_per_node > 1 else ''}"
+    _say(f"{len(groups)} independent copies x {each}, which never meet (no live "
+         f"recovery), in {copy_folder(0)} to {copy_folder(groups[-1])}")
+    children = [ForkedCommand(_group_command(spec, group, _HOST, entry), env={
+        **os.environ, "PYTHONPATH": path, "SHOAL_COPY": str(group),
+        **spec.agent.for_group(group).environ()}, cwd=copy_folder(group)) for group in groups]
+    stopping: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        for child in children:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    failed: list[int] = []
+    try:
+        running = set(groups)
+        while running:
+            for group in sorted(running):
+                code = children[group].poll()
+                if code is not None:
+                    running.discard(group)
+                    if code:
+                        failed.append(code)
+                        _say(f"copy {group} failed (exit code {code}); the others go on")
+            time.sleep(0.1)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for child in children:
+            child.terminate()
+            child.wait()
+    if stopping:
+        return 128 + stopping[0]
+    return failed[0] if failed else 0
 
 
 def run_groups(spec: LaunchSpec, config: FaultToleranceConfig, address: str,

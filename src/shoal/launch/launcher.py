@@ -277,9 +277,15 @@ def launch(spec: LaunchSpec) -> int:
     """Run the job described by ``spec``; return the launcher's exit code."""
     # Several processes on one node (a live job's groups too) would otherwise each start a
     # thread per core.
-    local = spec.nproc_per_node * (spec.replica_groups if spec.live else 1)
+    local = spec.nproc_per_node * (spec.replica_groups
+                                   if spec.live or spec.independent_copies else 1)
     if local > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
+    if spec.independent_copies:
+        from shoal.launch.groups import launch_copies
+
+        drop_server()  # each copy's launcher forks its own
+        return launch_copies(spec)
     if spec.live:
         drop_server()  # each replica group's launcher forks its own
     if spec.live and spec.nnodes > 1:

@@ -59,7 +59,37 @@ def _run(argv: list[str]) -> dict:
     sys.argv = [script, *args]
     path = os.path.abspath(script)
     sys.path[0] = os.path.dirname(path)
-    return runpy.run_path(path, run_name="__main__")
+    if os.path.isdir(path):  # a folder with a __main__.py: runpy's to run
+        return runpy.run_path(script, run_name="__main__")
+    with open(path, "rb") as f:
+        source = f.read()
+    if b"\0" in source:  # a zip of a __main__.py, as a folder
+        return runpy.run_path(script, run_name="__main__")
+    return _run_source(source, path)
+
+
+def _run_source(source: bytes, path: str) -> dict:
+    """Run a script's source as ``python`` does: in a ``__main__`` module of its own whose
+    ``__file__`` is ``path``, ``sys.argv`` left as it is (runpy.run_path would put the path
+    in ``sys.argv[0]``). Like runpy, ``sys.modules['__main__']`` is put back after, and a
+    copy of the globals returned."""
+    import builtins
+    import types
+    from importlib.machinery import SourceFileLoader
+
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__loader__ = SourceFileLoader("__main__", path)
+    main.__dict__.update(__cached__=None, __builtins__=builtins)
+    code = compile(source, path, "exec", dont_inherit=True)
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if previous is not None:
+            sys.modules["__main__"] = previous
+    return main.__dict__.copy()
 
 
 def _shut_down(namespace: dict) -> None:
