@@ -334,9 +334,9 @@ class LaunchSpec:
         if self.no_python or not trains_through_shoal(self.entry, self.module, os.getcwd()):
             raise UsageError(
                 f"live mode: the {what} does not train through shoal.Trainer (no use of "
-                "shoal.Trainer or shoal.Harness found in it or the modules of yours it "
-                "imports), and only the Trainer meets the other replica groups: each group "
-                "would be a copy of the job writing the same files. Train through "
+                "it found in it or the modules of yours it imports), and only the Trainer "
+                "meets the other replica groups: each group would be a copy of the job "
+                "writing the same files. Train through "
                 "shoal.Trainer, run without --replica-groups, or add --independent-copies "
                 "for copies that each run in a folder of their own")
 

@@ -7,8 +7,8 @@ launcher):
   working directory first (``python -m`` puts it on ``sys.path``), then ``PYTHONPATH``, then
   the interpreter's own path.
 - ``trains_through_shoal``: whether the script (or the modules of the user's it imports)
-  uses ``shoal.Trainer`` or ``shoal.Harness``, the only ways a worker meets the other
-  replica groups of a live job. A script that sets up torch.distributed itself would run
+  uses ``shoal.Trainer``, the only way a worker meets the other replica groups of a live
+  job. A script that sets up torch.distributed itself would run
   as that many independent copies writing the same files.
 """
 
@@ -21,7 +21,7 @@ import sysconfig
 from importlib.machinery import ModuleSpec, PathFinder
 from importlib.util import find_spec
 
-_LIVE_NAMES = frozenset({"Trainer", "Harness"})
+_LIVE_NAMES = frozenset({"Trainer"})
 _MAX_FILES = 500  # a user's own tree; past this the answer is "not seen"
 
 
@@ -122,8 +122,8 @@ class _Scan:
 
 
 def _uses_live_names(tree: ast.Module) -> bool:
-    """Whether the module takes Trainer or Harness from shoal: ``from shoal import
-    Trainer``, or ``shoal.Trainer`` (any alias of shoal or of a module of its)."""
+    """Whether the module takes the Trainer from shoal: ``from shoal import Trainer``, or
+    ``shoal.Trainer`` (any alias of shoal or of a module of its)."""
     aliases: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -149,7 +149,7 @@ def _uses_live_names(tree: ast.Module) -> bool:
 def trains_through_shoal(entry: str, module: bool, cwd: str) -> bool:
     """Whether the script (or ``-m`` module) ``entry``, or a module of the user's it
     imports (not one of the interpreter's library or installed packages), uses
-    ``shoal.Trainer`` or ``shoal.Harness``."""
+    ``shoal.Trainer``."""
     if module:
         spec = find_module(entry, cwd)
         if spec is None:
