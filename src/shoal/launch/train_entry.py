@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,9 @@ def _train(config: RunConfig) -> dict[str, float]:
     if trainer.reports:
         assert config.run.dir is not None  # the loader sets it
         path = Path(config.run.dir) / "metrics.json"
-        path.write_text(json.dumps(metrics, indent=2))
+        written = path.with_suffix(".json.partial")  # whole or not at all: a kill mid-write
+        written.write_text(json.dumps(metrics, indent=2))
+        os.replace(written, path)
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in metrics.items())
         print(f"done: {shown}\nrun directory: {config.run.dir}", flush=True)

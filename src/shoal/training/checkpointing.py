@@ -47,6 +47,7 @@ class Trainer(Protocol):
     run_config: dict | None
     tracking: dict[str, str]
     checkpointing: Checkpointing | None
+    history: list[dict[str, float]]
 
     @property
     def module(self) -> torch.nn.Module: ...
@@ -76,8 +77,24 @@ class Checkpointing:
         self._opened = time.time()  # (wall clock, as a checkpoint's files are dated)
         self._requested = False  # a timed save was asked for and has not happened yet
         self.local = trainer.config.strategy in ("local_sgd", "diloco")
+        self.final_step: int | None = None
+        """The run's last step, where known: its checkpoint is written at the end of fit,
+        after the final validation, so that it holds the run's final metrics (a run
+        resumed from it has nothing to train and returns them)."""
         # Collective, called by every rank first thing in a save (the step metrics' flush).
         self.before_save: Callable[[], None] | None = None
+
+    def plan(self, total_steps: int | None) -> None:
+        """The run's last step, ``total_steps`` where every rank counts the same (else
+        none: a rank that skipped the periodic save of a step the others make would leave
+        them waiting in its collective). Collective."""
+        final = total_steps
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            given = -1 if total_steps is None else total_steps
+            bounds = torch.tensor([given, -given], device=self.trainer.harness.device)
+            dist.all_reduce(bounds, op=dist.ReduceOp.MIN)
+            final = total_steps if int(bounds[0]) == -int(bounds[1]) == given else None
+        self.final_step = final
 
     def time_due(self) -> bool:
         """Rank 0's clock says a timed checkpoint is due (the ranks then agree on a step);
@@ -93,7 +110,7 @@ class Checkpointing:
         was the first time (a live replacement redoing its group's steps under 'exact'):
         its checkpoint is written only where the group before it did not complete one."""
         step = self.trainer.state.global_step
-        if not (self.every and step % self.every == 0):
+        if not (self.every and step % self.every == 0) or step == self.final_step:
             return
         if redone and self._complete(step):
             self.saved_step = step
@@ -143,6 +160,8 @@ class Checkpointing:
                 "global_batch": t.harness.data_ranks * c.batch_size * t.state.accumulate,
                 "seed": c.seed, "trainer_config": c.model_dump(mode="json"),
                 "run_config": t.run_config, "tracking": t.tracking,
+                # the epochs' metrics so far: a run resumed when it had finished returns them
+                "history": t.history,
                 "remote": {name: m.tier_state() for name, m in remote_modules(t.module).items()}}
         path = self.store.save(t.state.global_step, shared, own, meta)
         self.saved_step = t.state.global_step
@@ -196,6 +215,7 @@ class Checkpointing:
                                        group_src=0)
             rng.restore(states[0])
         t.tracking = dict(meta.get("tracking") or {})  # the MLflow run to continue
+        t.history = [dict(epoch) for epoch in meta.get("history") or []]
         self.saved_step = t.state.global_step
         writes = (f"new checkpoints go to {self.store.root}" if t.checkpointing is self
                   else "no new checkpoints are written (checkpoint_dir is unset)")

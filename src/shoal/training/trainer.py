@@ -252,9 +252,15 @@ class Trainer:
             reader = self.checkpointing or Checkpointing(self, directory, every=None,
                                                          keep_last=c.keep_last)
             reader.resume(c.resume)
-        progress = Progress(self._total_steps(loader, epochs, max_steps),
-                            enabled=c.progress and self.reports)
-        metrics: dict[str, float] = {}
+        total = self._total_steps(loader, epochs, max_steps)
+        progress = Progress(total, enabled=c.progress and self.reports)
+        if self.checkpointing:
+            self.checkpointing.plan(total)
+        # Resumed from a run that had finished: nothing to train, and its final metrics.
+        metrics: dict[str, float] = dict(self.history[-1]) if self.history else {}
+        if self.history and self._finished(epochs, max_steps) and self.harness.is_main:
+            print(f"shoal: the run had finished at step {self.global_step}: nothing left "
+                  "to train; its final metrics stand", file=sys.stderr, flush=True)
         # Every live group watches for a preemption signal, and for timed saves: the group
         # that saves may change (``_saves``).
         self._preemption = PreemptionWatch(
