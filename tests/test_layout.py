@@ -17,7 +17,7 @@ FLOORS = [
     ("training", {"training"}),
     ("features", {"rl", "remote", "dashboard"}),
     ("run config", {"config"}),
-    ("launching", {"launch", "clusters", "doctor", "bench"}),
+    ("launching", {"launch", "clusters", "doctor", "bench", "chaos"}),
     ("entry points", {"cli", "__main__", "examples", ""}),
 ]
 

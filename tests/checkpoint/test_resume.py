@@ -87,3 +87,27 @@ def test_world_size_change_continues_the_global_sample_sequence(tmp_path):
             assert f"accumulating {6 // world}" in out.stderr
             assert _samples(tmp_path / f"w{world}") == {s: expected[s] for s in range(7, 15)}, \
                 world
+
+
+@pytest.mark.timeout(RUN_S + 30)  # the two runs go side by side
+def test_a_resume_on_three_processes_cuts_ddps_buckets_as_the_run_did(tmp_path):
+    """On more than two ranks gloo's sum of a bucket depends on where each gradient lies in
+    it, and DDP cuts a process's buckets anew after its first backward: a resumed process
+    settles them before its first step (before, its first step after the resume summed in
+    other chunks, and the run ended a few bits off the one it continued)."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir()
+    killed.mkdir()
+    common = ["--steps", "16", "--every", "4"]
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run_shoal, "run", "--nproc-per-node", "3", JOB, str(straight),
+                                "--no-checkpoints", *common, timeout=RUN_S)
+        out = run_shoal("run", "--nproc-per-node", "3", "--max-restarts", "1", JOB,
+                        str(killed), "--kills", json.dumps([[1, 10, "step"]]), *common,
+                        timeout=RUN_S)
+    assert reference.result().returncode == 0, reference.result().stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (killed / "samples_attempt1.json").exists(), "the run was not restarted"
+    a, b = _final(straight), _final(killed)
+    assert states_equal(a["model"], b["model"])
+    assert states_equal(a["optimizer"], b["optimizer"])

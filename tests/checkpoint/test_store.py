@@ -40,6 +40,21 @@ def test_round_trip_and_keep_last(store, tmp_path):
     assert [p.name for p in store._step_dirs()] == ["step_000000030", "step_000000040"]
 
 
+def test_a_live_groups_own_part_of_a_step_is_kept_and_pruned_with_it(store):
+    """A live group that does not write the checkpoints keeps its ranks' own part of a step
+    beside it (whole or not at all); a step pruned takes its groups' parts along, and so
+    does an older step that never committed."""
+    for step in (20, 30, 35):  # (35: never committed)
+        store.save_own(step, 1, {"comm": {"state": torch.tensor([step, 1])}})
+    found = store.load_own(store.latest(), 1)
+    assert torch.equal(found["comm"]["state"], torch.tensor([30, 1]))
+    assert store.load_own(store.latest(), 2) is None
+    assert not list(store.own_path(30, 1).glob("*.partial"))
+    store.keep_last = 1
+    store.save(40, _state(40), {}, {})
+    assert sorted(p.name for p in store.root.iterdir()) == ["step_000000040"]
+
+
 def test_skipped_tensors_are_not_read(store):
     # A pipeline stage skips the other stages' tensors: they come back as None.
     shared, own, _ = store.load(store.latest(), skip=lambda key: key.startswith("shared.model."))

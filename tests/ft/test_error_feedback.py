@@ -92,3 +92,25 @@ def test_a_group_whose_step_did_not_commit_catches_up_from_the_hand_over(runs):
     assert "replica group 1: redoes steps 11 to 12 alone while the other groups wait" in output
     reference, _ = runs.wait("whole-topk")
     assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))
+
+
+def test_every_group_lost_at_once_resumes_each_with_its_own_error_feedback(runs):
+    """Both groups SIGKILLed in the same step: no live group is left to heal from, and
+    both resume from the checkpoint of step 13, which group 0 wrote. Group 1 takes its own
+    part of that step (its error feedback, which it kept beside the checkpoint) and both end
+    bitwise equal to the run without failures (before, group 1 took group 0's error
+    feedback from the checkpoint, and the run ended with other weights)."""
+    job = f"--compression {COMPRESSIONS['topk']} --share 1"
+    runs.start("whole-topk", "--replica-groups", "2", "--ft-policy", "available",
+               job=f"{job} --metrics {runs.root}/whole-topk/metrics:8")
+    runs.start("both-lost", "--replica-groups", "2", "--max-restarts", "1",
+               job=f"{job} --kill 0:13 --kill 1:13 --checkpoints {runs.root}/both-lost/ckpt")
+    live, output = runs.wait("both-lost")
+    assert pids(live) == sorted(f"pid.g{g}.a{a}.r0" for g in (0, 1) for a in (0, 1)), \
+        output[-6000:]
+    assert output.count("resumed from") == 2 and "step_000000013 (step 13" in output, \
+        output[-6000:]
+    reference, _ = runs.wait("whole-topk")
+    assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))
+    assert "kept no part of its own" not in output
+    assert (live / "ckpt" / "step_000000013.group1" / "rank0.pt").is_file()

@@ -50,6 +50,26 @@ def _reference(runs: Runs, strategy: str) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["local_sgd", "diloco"])
+def test_every_group_lost_mid_round_resumes_with_its_own_replica(runs, strategy):
+    """Both groups SIGKILLed in the same step, two steps into a round: no live group is
+    left, and both resume from the checkpoint of step 10, which group 0 wrote. Each takes
+    its own replica and inner optimizer back (group 1 from the part of the step it kept
+    beside the checkpoint, after the start's copy of group 0's state), and both end bitwise
+    equal to the run without failures (before, group 1 went on as a copy of group 0)."""
+    _reference(runs, strategy)
+    name = f"both-lost-{strategy}"
+    runs.start(name, "--replica-groups", "2", "--max-restarts", "1",
+               job=f"--strategy {strategy} --period {PERIOD} --kill 0:10 --kill 1:10 "
+                   f"--checkpoints {runs.root}/{name}/ckpt")
+    live, output = runs.wait(name)
+    assert pids(live) == sorted(f"pid.g{g}.a{a}.r0" for g in (0, 1) for a in (0, 1)), \
+        output[-6000:]
+    assert output.count("step_000000010 (step 10") == 2, output[-6000:]
+    reference, _ = runs.wait(f"restart-{strategy}")
+    assert all(same_end(final(live, group), final(reference, 0, group)) for group in (0, 1))
+
+
+@pytest.mark.parametrize("strategy", ["local_sgd", "diloco"])
 def test_exact_replacement_redoes_its_round_and_run_equals_restart_mode(runs, strategy):
     """The survivor trains on to the next meeting and waits there, never restarted; the
     replacement heals from it: the state of the last meeting, with its own group's inner

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+OWN_DIR = re.compile(r"^step_(\d+)\.group(\d+)$")  # a live group's own part of a step
 COMMIT = "COMMIT.json"
 META = "shoal.json"
 

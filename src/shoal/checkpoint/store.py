@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shoal.checkpoint import layout, tree
-from shoal.checkpoint.layout import COMMIT, META, STEP_DIR
+from shoal.checkpoint.layout import COMMIT, META, OWN_DIR, STEP_DIR
 from shoal.runtime.compat import stager_reusable
 
 
@@ -196,6 +196,43 @@ class CheckpointStore:
         committed = self._step_dirs()
         for path in committed[:-self.keep_last] if self.keep_last > 0 else []:
             shutil.rmtree(path, ignore_errors=True)
+        kept = {int(cast("re.Match[str]", STEP_DIR.match(p.name)).group(1))
+                for p in self._step_dirs()}
+        newest = max(kept, default=-1)
+        for path in self.root.glob("step_*.group*"):  # a pruned step's groups' parts go too
+            found = OWN_DIR.match(path.name)
+            if found and int(found.group(1)) not in kept and int(found.group(1)) < newest:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- a live job's groups: each one's own part of a step --------------------------------
+
+    def own_path(self, step: int, group: int) -> Path:
+        """Where replica group ``group`` keeps its ranks' own parts of step ``step``."""
+        return self.root / f"step_{step:09d}.group{group}"
+
+    def save_own(self, step: int, group: int, own: dict) -> None:
+        """This rank's own part of step ``step`` (what ``save`` files under ``own``), as
+        replica group ``group`` holds it: a live job's groups that do not write the
+        checkpoint each keep theirs (error feedback, a replica of their own), so that every
+        group resumes from the step with its own. Written whole or not at all."""
+        folder = self.own_path(step, group)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{_rank()}.pt"
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        torch.save(own, partial)
+        os.replace(partial, path)
+
+    def load_own(self, path: str | os.PathLike, group: int) -> dict | None:
+        """This rank's own part of the checkpoint at ``path`` as replica group ``group``
+        kept it (``save_own``), or None where it has none."""
+        found = STEP_DIR.match(Path(path).name)
+        if found is None:
+            return None
+        own = self.own_path(int(found.group(1)), group) / f"rank{_rank()}.pt"
+        try:
+            return torch.load(own, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            return None
 
     # -- finding ----------------------------------------------------------------------------
 

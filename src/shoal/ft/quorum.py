@@ -48,6 +48,9 @@ class QuorumWait:
         """A group of several processes stopped by a signal in the wait: whether they save,
         as they agreed (``LiveSession.saves_in_wait``)."""
         self._fell_back = False  # a heal went through in only some processes: met again
+        self.healed_everywhere = False
+        """A group of several processes: every one of them healed in the last quorum (what
+        they agreed; each alone may have healed or not)."""
 
     def reuses_after(self, previous: float, steps: int) -> int:
         """A group of several processes, asking for a full quorum: how many steps may reuse
@@ -108,6 +111,7 @@ class QuorumWait:
                          -int(bool(ended))])
         if reuses is not None:
             self.may_reuse = least
+        self.healed_everywhere = bool(all_healed)
         if minus_signum:
             self.saves_agreed = minus_wants < 0 and 0 < lowest == -minus_highest
             raise Preempted(-minus_signum)

@@ -108,6 +108,9 @@ class LiveSession:
         self._participants = place.groups
         self._started = 0.0
         self._failed = False  # this group's last try of a step (or meeting) did not commit
+        self.own_part: Callable[[int], None] | None = None
+        """Load this group's own part of the checkpoint of a step (its error feedback, its
+        replica), where it kept one: after the start's copy of another group's state."""
         self.before_wait: Callable[[], None] = lambda: None
         """Called as this group starts to wait at a quorum (the Trainer's: a preemption
         signal that came since the last step ends the run here)."""
@@ -146,6 +149,10 @@ class LiveSession:
             self._received_step = state["trainer"]["global_step"]
         self.skipped_samples = state["skipped_samples"]
         self._received = state_bytes(state)
+        if self.replica.step == 0 and self.own_part is not None:
+            # The start's copy of the first group's state: a group that resumed from a
+            # checkpoint (every group lost at once) takes its own part of the step back.
+            self.own_part(self._received_step)
 
     def _say(self, message: str) -> None:
         if self.talks:
@@ -206,8 +213,10 @@ class LiveSession:
         self._started = self._full_at = time.monotonic()
         self.quorums += 1
         self._quorum = self._wait.join(reuses)
-        while (self.replica.step == 0 and not self._quorum.healed
-               and self._quorum.participants < self.place.groups):
+        # (every process of a group decides alike: whether each healed is its own; a group
+        # that resumed from a checkpoint starts no job: the others may be gone for good)
+        while (self.replica.step == 0 and self.state.global_step == 0
+               and not self._healed_here() and self._quorum.participants < self.place.groups):
             time.sleep(0.05)
             self._quorum = self._wait.join(reuses)
         self._reuses = 0
@@ -221,6 +230,12 @@ class LiveSession:
                 self._say(f"healed from a live group at step {self._received_step} "
                           f"({self._received / 2**20:.2f} MB in {took:.2f} s)")
         return self._quorum
+
+    def _healed_here(self) -> bool:
+        """This group healed in its last quorum: as its processes agreed, where it has
+        several."""
+        assert self._quorum is not None
+        return self._wait.healed_everywhere if self._several else self._quorum.healed
 
     def end_step(self, grads: Sequence[torch.Tensor], samples: int, step: int,
                  losses: tuple[float, int] = (0.0, 0), averaged: bool = False

@@ -91,7 +91,9 @@ def launch_groups(spec: LaunchSpec) -> int:
         address = lighthouse.address
     _say(f"live mode: {groups} replica groups x {spec.nproc_per_node} processes, policy "
          f"{config.policy}, lighthouse {address}"
-         + (f" (pid {lighthouse.process.pid})" if lighthouse else ""))
+         + (f" (pid {lighthouse.process.pid})" if lighthouse else "")
+         + ("; a missing group's samples are skipped: the result is not bitwise a run's "
+            "without failures" if config.policy == "available" else ""))
     return run_groups(spec, config, address, lighthouse, GroupSet(0, groups, groups))
 
 

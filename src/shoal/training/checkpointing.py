@@ -34,7 +34,8 @@ from shoal.parallel.pipeline_parallel import placed_in_stage
 from shoal.remote.module import remote_modules
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness
-from shoal.training.state import TrainState, unhooked
+from shoal.training.settling import settle_after_resume
+from shoal.training.state import TrainState, load_model_and_optimizer_state, unhooked
 
 
 class Trainer(Protocol):
@@ -68,6 +69,9 @@ class Checkpointing:
                  async_save: bool = False, every_seconds: float | None = None):
         self.trainer = trainer
         place = ReplicaPlace.from_environ()  # live replica groups may save a step at once
+        self.group = place.group if place else None
+        """This process's replica group in a live job (None: not a live job)."""
+        self._exact = place is not None and place.config.policy == "exact"
         self.store = CheckpointStore(directory, keep_last=keep_last, async_save=async_save,
                                      writer=f"group{place.group}" if place else "")
         self.every = every
@@ -105,17 +109,33 @@ class Checkpointing:
         self._requested = self._requested or due
         return due
 
-    def after_step(self, redone: bool = False) -> None:
-        """A checkpoint when one is due. ``redone``: the step was done again, bitwise as it
-        was the first time (a live replacement redoing its group's steps under 'exact'):
-        its checkpoint is written only where the group before it did not complete one."""
+    def after_step(self, redone: bool = False, saves: bool = True) -> None:
+        """A checkpoint when one is due (``saves``: this process's group writes the
+        checkpoints; in a live job the others keep their own part of it, ``save_own``).
+        ``redone``: the step was done again, bitwise as it was the first time (a live
+        replacement redoing its group's steps under 'exact'): its checkpoint is written
+        only where the group before it did not complete one."""
         step = self.trainer.state.global_step
         if not (self.every and step % self.every == 0) or step == self.final_step:
+            return
+        if not saves:
+            self.save_own()
             return
         if redone and self._complete(step):
             self.saved_step = step
             return
         self.save()
+
+    def save_own(self) -> None:
+        """A live group that does not write the checkpoints keeps its own part of the
+        step's (its ranks' error feedback, or under local_sgd and diloco their replicas),
+        which differs from the writing group's: every group that resumes from the step
+        then holds what it held (collective inside the group)."""
+        if self.group is None:
+            return
+        _, own, _ = self._parts()
+        self.store.save_own(self.trainer.state.global_step, self.group, own)
+        self.saved_step = self.trainer.state.global_step
 
     def saved_by_another(self) -> bool:
         """A live replica group, stopped by a preemption signal: another group committed
@@ -144,6 +164,17 @@ class Checkpointing:
             _say(t, f"not saving step {t.state.global_step}: the model holds NaN or Inf; the last "
                     "good checkpoint stays the newest")
             return None
+        shared, own, meta = self._parts()
+        path = self.store.save(t.state.global_step, shared, own, meta)
+        self.saved_step = t.state.global_step
+        self.saved_at = time.monotonic()
+        self._requested = False
+        return path
+
+    def _parts(self) -> tuple[dict, dict, dict]:
+        """A checkpoint's parts: shared by every rank, this rank's own, and the counters
+        and settings (collective)."""
+        t = self.trainer
         state = t.state.state_dict()
         own = {"rng": state.pop("rng"), "comm": state.pop("comm")}
         # Under local_sgd / diloco every rank holds its own replica and optimizer state.
@@ -162,12 +193,9 @@ class Checkpointing:
                 "run_config": t.run_config, "tracking": t.tracking,
                 # the epochs' metrics so far: a run resumed when it had finished returns them
                 "history": t.history,
-                "remote": {name: m.tier_state() for name, m in remote_modules(t.module).items()}}
-        path = self.store.save(t.state.global_step, shared, own, meta)
-        self.saved_step = t.state.global_step
-        self.saved_at = time.monotonic()
-        self._requested = False
-        return path
+                "remote": {name: m.tier_state() for name, m in remote_modules(t.module).items()},
+                "group": self.group}  # the live group whose own part ``own`` is
+        return shared, own, meta
 
     def resume(self, source: str) -> None:
         """Load the checkpoint ``source`` names ('auto': the newest complete one) into the
@@ -182,6 +210,7 @@ class Checkpointing:
         others = _other_stages(live) if t.harness.dims.pp_enabled else None
         shared, own, meta = self.store.load(path, like=self._layout() if t.harness.split
                                             else None, skip=others)
+        own = self._own_part(path, own, meta)
         replicas = self._replicas(path, shared, own, meta)
         model_state, optimizer_state = replicas["model"], replicas["optimizer"]
         if t.harness.dims.pp_enabled:  # this stage's part of the whole model's state
@@ -216,11 +245,43 @@ class Checkpointing:
             rng.restore(states[0])
         t.tracking = dict(meta.get("tracking") or {})  # the MLflow run to continue
         t.history = [dict(epoch) for epoch in meta.get("history") or []]
+        if t.state.global_step > 0:  # DDP cuts its buckets as the run did (settling)
+            settle_after_resume(t)
         self.saved_step = t.state.global_step
         writes = (f"new checkpoints go to {self.store.root}" if t.checkpointing is self
                   else "no new checkpoints are written (checkpoint_dir is unset)")
         _say(t, f"resumed from {path} (step {t.state.global_step}, epoch {t.state.epoch}, "
                 f"saved by {meta['world_size']} processes); {writes}")
+
+    def restore_own(self, step: int) -> None:
+        """Load this group's own part of the checkpoint of ``step`` (``save_own``), where it
+        kept one, over the state: a live group that took another's copy of a step both
+        resumed (every group lost at once) holds its own error feedback (and under
+        local_sgd and diloco its own replica) again."""
+        own = self.store.load_own(self.store.path_for(step), self.group) \
+            if self.group is not None else None
+        if own is None:
+            return
+        t = self.trainer
+        if self.local:
+            load_model_and_optimizer_state(t.state.model, t.state.optimizer, own["model"],
+                                           own["optimizer"])
+        if (own.get("comm") or {}).get("state"):
+            t.harness.load_comm_state_dict(own["comm"]["state"])
+
+    def _own_part(self, path: Path, own: dict | None, meta: dict) -> dict | None:
+        """This rank's own part of the checkpoint: the one it holds, or in a live job, its
+        group's (``save_own``) where another group wrote the checkpoint."""
+        writer = meta.get("group")
+        if self.group is None or writer is None or writer == self.group:
+            return own
+        mine = self.store.load_own(path, self.group)
+        if mine is None and self._exact and own is not None and \
+                (own.get("comm") or {}).get("state"):
+            _say(self.trainer, f"replica group {self.group} kept no part of its own of "
+                               f"{path.name} (a timed or unfinished save): its ranks take "
+                               f"group {writer}'s {own['comm']['kind']} state")
+        return own if mine is None else mine
 
     def _layout(self) -> dict[str, torch.Tensor]:
         """Empty tensors shaped like this rank's shards, for DCP to load each rank's part

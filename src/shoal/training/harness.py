@@ -141,6 +141,9 @@ class Harness:
         # Live recovery: (count, index) of the replica groups whose data this job splits.
         self.replica_groups = (1, 0)
         self.live = live
+        self.settle_due = False
+        """This process continues a run past its first step: DDP settles its buckets before
+        the step (``shoal.training.settling``; across live groups, their hook's flag)."""
 
     @property
     def data_ranks(self) -> int:

@@ -29,12 +29,11 @@ from torch.utils.data import DataLoader
 from shoal.data.sharding import position_after
 from shoal.errors import UsageError
 from shoal.ft import ReplicaPlace
-from shoal.ft.across import AcrossGroups, in_hook
+from shoal.ft.across import in_hook
 from shoal.ft.periodic import PeriodicSession
 from shoal.ft.session import LiveSession
 from shoal.ft.step import StepOutcome
 from shoal.runtime.seeds import seed_everything
-from shoal.training.batches import loss_of
 from shoal.training.state import gradients
 
 Trainer = Any  # a shoal.Trainer (not imported: its module imports this one)
@@ -59,6 +58,17 @@ def open_live(trainer: Trainer) -> LiveSession | None:
                          "fault_tolerance.mode 'restart'")
     h = trainer.harness
     h.replica_groups = (place.groups, place.group)
+    own = trainer.state.periodic or c.compression.name in ("powersgd", "topk")
+    if own and place.config.policy == "exact" and c.checkpoint_every_seconds and \
+            h.is_main and place.group == 0:
+        # (each group keeps its own part of a step's checkpoint at checkpoint_every's
+        # steps, which every group knows; a timed one's step only the writing group does)
+        part = "replica" if trainer.state.periodic else "error feedback"
+        print("shoal: policy exact: a checkpoint taken by checkpoint_every_seconds holds "
+              f"only the writing group's own {part}: "
+              "a run that every group resumes from it is not bitwise the one without "
+              "failures (checkpoint_every's checkpoints hold every group's)",
+              file=sys.stderr, flush=True)
 
     def record(step: int, **fields: Any) -> None:  # a change of who takes part, in metrics
         trainer.recording.record("event", step, **fields)
@@ -187,31 +197,6 @@ def step_figures(t: Trainer, loss: torch.Tensor, samples: int, tokens: int,
     groups = batches // micro_batches
     return (torch.tensor(total / batches, dtype=torch.float64, device=loss.device),
             samples * groups, tokens * groups)
-
-
-def settle(t: Trainer, batch: Any) -> None:
-    """Before a replacement's first step, when due: cut DDP's buckets as the live groups
-    have (``shoal.ft.across``), with one forward and backward of ``batch`` (the step's first
-    micro-batch) that crosses no group. Its gradients, the module's buffers (BatchNorm's
-    statistics) and the step's random numbers are put back as they were."""
-    comm = t.harness.comm
-    if not (isinstance(comm, AcrossGroups) and comm.settle_due):
-        return
-    model = t.model
-    buffers = [b.clone() for b in model.buffers()]
-    comm.muted = True
-    try:
-        with t.harness.autocast():
-            loss = loss_of(model, batch, t.loss_fn, t.step_fn)
-        t.harness.precision.backward(loss)
-    finally:
-        comm.muted = False
-    comm.settle_due = False
-    t.optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for buffer, kept in zip(model.buffers(), buffers, strict=True):
-            buffer.copy_(kept)
-    seed_step(t)
 
 
 def seed_step(t: Trainer) -> None:

@@ -123,7 +123,7 @@ class TrainState:
         if self.periodic:  # the replica's outer state (the groups' is the same)
             state["comm"] = h.comm.state_dict()
         # DDP's buckets: cut for good here, or about to be (a replacement cuts its own
-        # alike, see training.live.settle)
+        # alike, see training.settling)
         state["settled"] = isinstance(h.comm, AcrossGroups) and (h.comm.settled
                                                                   or h.comm.settle_due)
         return state
@@ -167,13 +167,15 @@ class TrainState:
     def private_state(self) -> dict[str, Any]:
         """What differs between this rank and the same rank of the other groups, which the
         heal state does not hold: under local_sgd and diloco after a meeting, the inner
-        optimizer, loss scale and skipped steps; under powersgd and topk, the compression
-        state (its error feedback)."""
+        optimizer, loss scale, skipped steps and the epoch's loss sums (each group's cover
+        its own losses: the groups do not sum theirs between meetings); under powersgd and
+        topk, the compression state (its error feedback)."""
         if not self.periodic:
             return {"comm": self.harness.comm.state_dict()}
         _, optimizer = model_and_optimizer_state(self.model, self.optimizer)
         return {"optimizer": optimizer, "scaler": self.harness.precision.state_dict(),
-                "skipped_steps": list(self.skipped_steps)}
+                "skipped_steps": list(self.skipped_steps),
+                "epoch_loss": self.epoch_loss.state()}
 
     def load_private_state(self, state: dict[str, Any]) -> None:
         """Back to a ``private_state`` of a ddp compression (a step that did not commit is

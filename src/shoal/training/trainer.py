@@ -52,12 +52,12 @@ from shoal.training.live import (
     check_loader,
     end_step,
     open_live,
-    settle,
 )
 from shoal.training.preemption import PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
 from shoal.training.progress import Progress
 from shoal.training.recording import Recording
+from shoal.training.settling import settle
 from shoal.training.state import TrainState
 
 if TYPE_CHECKING:
@@ -252,6 +252,8 @@ class Trainer:
             reader = self.checkpointing or Checkpointing(self, directory, every=None,
                                                          keep_last=c.keep_last)
             reader.resume(c.resume)
+        if self.live is not None and self.checkpointing:
+            self.live.own_part = self.checkpointing.restore_own
         total = self._total_steps(loader, epochs, max_steps)
         progress = Progress(total, enabled=c.progress and self.reports)
         if self.checkpointing:
@@ -308,7 +310,11 @@ class Trainer:
             if self.live is not None:
                 self.live.close()
         if self.checkpointing:
-            if self.checkpointing.saved_step != self.global_step and self._saves:
+            if self.checkpointing.saved_step != self.global_step:
+                # In a live job every group saves the last step (the first to commit it
+                # keeps it): it is saved even where the group that writes is lost after it.
+                # Each keeps its own part of it too, whichever group's commit stays.
+                self.checkpointing.save_own()
                 self.checkpointing.save()
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
         return result
@@ -367,8 +373,8 @@ class Trainer:
                     if outcome is not StepOutcome.GO:
                         return outcome
             batch = h.to_device(batch)
-            if self.live is not None and position == 0:
-                settle(self, batch)  # a replacement cuts DDP's buckets as the others have
+            if position == 0:
+                settle(self, batch)  # a resumed process cuts DDP's buckets as they were
             n = samples_in(batch)
             loss = self._forward_backward(batch, n, window, window_samples, step_now)
             if clock:
@@ -488,9 +494,8 @@ class Trainer:
         of its steps are written first: a run killed after it loses none), and the stop a
         preemption signal asks for."""
         if self.checkpointing:
-            if self._saves:
-                self.checkpointing.after_step(redone=self.live is not None
-                                              and self.live.redone)
+            self.checkpointing.after_step(redone=self.live is not None and self.live.redone,
+                                          saves=self._saves)
             if self._preemption:
                 signum, save_now = self._preemption.poll(
                     self._saves and self.checkpointing.time_due())
@@ -519,6 +524,9 @@ class Trainer:
                 saves = False
             else:
                 self.checkpointing.save()
+        if not saves and self.live is not None and not self.live.redone and \
+                self.checkpointing.saved_step != self.global_step:
+            self.checkpointing.save_own()  # the group's own part of the step another saves
         self.checkpointing.store.wait()
         # the end-of-run table of this part of the run, in MLflow too
         self.recording.finish(show_summary=False)
