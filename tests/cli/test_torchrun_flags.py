@@ -193,9 +193,12 @@ def test_help_shows_one_spelling_of_each_flag():
 
 
 # What a worker sees of how it was started, one line each.
+# (one write of the whole line: torchrun's workers share its stdout, where lines written
+# in parts by two processes can mix)
 SEEN = ("import os, sys\n"
-        "print('seen', os.environ['RANK'], os.environ['WORLD_SIZE'], sys.argv, __file__, "
-        "sys.path[0])\n")
+        "line = ' '.join(map(str, ['seen', os.environ['RANK'], os.environ['WORLD_SIZE'], "
+        "sys.argv, __file__, sys.path[0]]))\n"
+        "os.write(1, (line + '\\n').encode())\n")
 LAUNCHED = {
     # python and torchrun keep sys.argv[0] as typed (before, shoal made it absolute)
     "script as typed": (["--nproc_per_node=1", "seen.py", "a"], {}),

@@ -69,7 +69,8 @@ def test_live_flags_that_cannot_work_are_refused(flags, message):
 def _spec(*argv: str):
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["run", *argv, "-m", "json"])  # any module
+    # any module that trains through the Trainer (live mode refuses one that does not)
+    args = parser.parse_args(["run", *argv, "-m", "shoal.launch.train_entry"])
     return spec_from_args(args, args.entry, args.args, args.module)
 
 

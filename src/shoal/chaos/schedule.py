@@ -69,8 +69,8 @@ class Schedule:
         faults = []
         at = first
         for kind in kinds:
-            group = rng.randrange(groups) if groups else None
-            rank = rng.randrange(ranks)
+            group: int | None = rng.randrange(groups) if groups else None
+            rank: int | None = rng.randrange(ranks)
             seconds = round(rng.uniform(*stop_s), 2) if kind == "stop" else 0.0
             if kind == "lighthouse":
                 group = rank = None

@@ -157,7 +157,10 @@ def broken(setting: Setting, outcome: Outcome, reference: Outcome) -> list[str]:
         return ["no final metrics (run/metrics.json)"]
     problems = []
     if setting.mode in ("restart", "exact"):
-        for key in FIGURES:
+        # (under local_sgd and diloco live groups train apart between meetings, and each
+        # reports its own samples' train_loss: the group that reports may change)
+        periodic = setting.mode == "exact" and setting.strategy != "ddp"
+        for key in FIGURES if not periodic else [k for k in FIGURES if k != "train_loss"]:
             if ours.get(key) != theirs.get(key):
                 problems.append(f"{key} {ours.get(key)!r} against {theirs.get(key)!r}")
         if not _equal(outcome.model(), reference.model()):
@@ -165,7 +168,8 @@ def broken(setting: Setting, outcome: Outcome, reference: Outcome) -> list[str]:
         return problems
     survivors = outcome.restarted() - struck(run)
     if survivors:
-        problems.append(f"replica groups {sorted(survivors)} restarted, struck by no fault")
+        named = ", ".join(str(g) for g in sorted(g for g in survivors if g is not None))
+        problems.append(f"replica groups {named} restarted, struck by no fault")
     events = outcome.events()
     if any(e["taking_part"] < e["groups"] for e in events) and \
             not max(e["skipped_samples"] for e in events):

@@ -248,16 +248,35 @@ class CheckpointStore:
         """What makes ``path`` unusable, or None when it is complete."""
         return layout.problem(path)
 
-    def latest(self, report: bool = True) -> Path | None:
-        """The newest complete checkpoint; skipped broken ones are named on rank 0."""
+    def latest(self, report: bool = True, whole: Callable[[Path], bool] | None = None
+               ) -> Path | None:
+        """The newest complete checkpoint; skipped broken ones are named on rank 0.
+        ``whole(path)``: it must also say so of the one taken (where none does, the newest
+        complete one)."""
+        complete = []
         for path in reversed(self._step_dirs()):
             problem = self.problem(path)
             if problem is None:
-                return path
-            if report and _rank() == 0:
+                if whole is None or whole(path):
+                    return path
+                complete.append(path)
+            elif report and _rank() == 0:
                 print(f"shoal: skipping checkpoint {path}: {problem}", file=sys.stderr,
                       flush=True)
-        return None
+        return complete[0] if complete else None
+
+    def has_own(self, path: Path, ranks: int) -> bool:
+        """Every live group but the one that wrote the checkpoint at ``path`` kept its own
+        part of it, for each of its ``ranks`` ranks (``save_own``; True outside live
+        mode)."""
+        found = STEP_DIR.match(path.name)
+        info = json.loads((path / META).read_text())
+        writer, groups = info["meta"].get("group"), info["meta"].get("groups")
+        if found is None or writer is None or groups is None:
+            return True
+        step = int(found.group(1))
+        return all((self.own_path(step, group) / f"rank{rank}.pt").is_file()
+                   for group in range(groups) if group != writer for rank in range(ranks))
 
     # -- loading ----------------------------------------------------------------------------
 

@@ -170,10 +170,12 @@ class LiveSession:
             if self._steady:  # nothing changed since the last quorum: no round trip
                 self._quorum = self.replica.again()
                 self._reuses += 1
-            elif self._start_quorum().healed:
-                if self.rounds.replay:
-                    self._sit_out()
-                return StepOutcome.HEALED
+            else:
+                self._start_quorum()
+                if self._healed_here():
+                    if self.rounds.replay:
+                        self._sit_out()
+                    return StepOutcome.HEALED
         if self._feedback:
             self._kept = self.state.private_state()
             rounds = self.rounds
@@ -233,7 +235,8 @@ class LiveSession:
 
     def _healed_here(self) -> bool:
         """This group healed in its last quorum: as its processes agreed, where it has
-        several."""
+        several (at the job's first quorum each may have copied another group's state, or
+        not: then the group goes on as it is, each copy being of the same step)."""
         assert self._quorum is not None
         return self._wait.healed_everywhere if self._several else self._quorum.healed
 

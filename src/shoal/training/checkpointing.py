@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ class Trainer(Protocol):
     tracking: dict[str, str]
     checkpointing: Checkpointing | None
     history: list[dict[str, float]]
+    live: Any  # the live session while fit runs in a live job (shoal.ft.session), or None
 
     @property
     def module(self) -> torch.nn.Module: ...
@@ -72,6 +73,12 @@ class Checkpointing:
         self.group = place.group if place else None
         """This process's replica group in a live job (None: not a live job)."""
         self._exact = place is not None and place.config.policy == "exact"
+        self._groups = place.groups if place else None
+        # 'exact', where each group holds a state of its own (error feedback, a replica):
+        # a resume takes a step every group kept its own part of
+        self._parts_needed = self._exact and (
+            trainer.config.strategy in ("local_sgd", "diloco")
+            or trainer.config.compression.name in ("powersgd", "topk"))
         self.store = CheckpointStore(directory, keep_last=keep_last, async_save=async_save,
                                      writer=f"group{place.group}" if place else "")
         self.every = every
@@ -134,7 +141,8 @@ class Checkpointing:
         if self.group is None:
             return
         _, own, _ = self._parts()
-        self.store.save_own(self.trainer.state.global_step, self.group, own)
+        if self.local or (own.get("comm") or {}).get("state"):  # (else nothing of its own)
+            self.store.save_own(self.trainer.state.global_step, self.group, own)
         self.saved_step = self.trainer.state.global_step
 
     def saved_by_another(self) -> bool:
@@ -194,7 +202,10 @@ class Checkpointing:
                 # the epochs' metrics so far: a run resumed when it had finished returns them
                 "history": t.history,
                 "remote": {name: m.tier_state() for name, m in remote_modules(t.module).items()},
-                "group": self.group}  # the live group whose own part ``own`` is
+                "group": self.group,  # the live group whose own part ``own`` is
+                "groups": self._groups,
+                # 'available': the samples the missing groups skipped, over the whole run
+                "skipped_samples": t.live.skipped_samples if t.live is not None else 0}
         return shared, own, meta
 
     def resume(self, source: str) -> None:
@@ -202,7 +213,8 @@ class Checkpointing:
         Trainer's state: same step, same next sample, same random streams, and the epoch's
         loss so far."""
         t = self.trainer
-        path = self.store.latest() if source == "auto" else Path(source)
+        path = Path(source) if source != "auto" else self.store.latest(
+            whole=self._every_part if self._parts_needed else None)
         if path is None:
             _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
             return
@@ -245,6 +257,8 @@ class Checkpointing:
             rng.restore(states[0])
         t.tracking = dict(meta.get("tracking") or {})  # the MLflow run to continue
         t.history = [dict(epoch) for epoch in meta.get("history") or []]
+        if t.live is not None:  # (a heal brings a live group's count instead)
+            t.live.skipped_samples = meta.get("skipped_samples", 0)
         if t.state.global_step > 0:  # DDP cuts its buckets as the run did (settling)
             settle_after_resume(t)
         self.saved_step = t.state.global_step
@@ -252,6 +266,9 @@ class Checkpointing:
                   else "no new checkpoints are written (checkpoint_dir is unset)")
         _say(t, f"resumed from {path} (step {t.state.global_step}, epoch {t.state.epoch}, "
                 f"saved by {meta['world_size']} processes); {writes}")
+
+    def _every_part(self, path: Path) -> bool:
+        return self.store.has_own(path, self.trainer.harness.world_size)
 
     def restore_own(self, step: int) -> None:
         """Load this group's own part of the checkpoint of ``step`` (``save_own``), where it
@@ -279,8 +296,8 @@ class Checkpointing:
         if mine is None and self._exact and own is not None and \
                 (own.get("comm") or {}).get("state"):
             _say(self.trainer, f"replica group {self.group} kept no part of its own of "
-                               f"{path.name} (a timed or unfinished save): its ranks take "
-                               f"group {writer}'s {own['comm']['kind']} state")
+                               f"{path.name} (no checkpoint here holds every group's): its "
+                               f"ranks take group {writer}'s {own['comm']['kind']} state")
         return own if mine is None else mine
 
     def _layout(self) -> dict[str, torch.Tensor]:

@@ -65,9 +65,9 @@ def open_live(trainer: Trainer) -> LiveSession | None:
         # steps, which every group knows; a timed one's step only the writing group does)
         part = "replica" if trainer.state.periodic else "error feedback"
         print("shoal: policy exact: a checkpoint taken by checkpoint_every_seconds holds "
-              f"only the writing group's own {part}: "
-              "a run that every group resumes from it is not bitwise the one without "
-              "failures (checkpoint_every's checkpoints hold every group's)",
+              f"only the writing group's own {part}: every group lost at once resumes from "
+              "the last checkpoint_every step instead, which holds every group's (without "
+              "one, from the timed one: not bitwise the run without failures)",
               file=sys.stderr, flush=True)
 
     def record(step: int, **fields: Any) -> None:  # a change of who takes part, in metrics
@@ -121,8 +121,8 @@ def begin_step(t: Trainer) -> StepOutcome:
                 t.harness.synchronize()
             outcome = live.after_meeting()
     else:  # the step's losses go with its average (a step done again drops them)
-        t.state.epoch_loss.mark()
         outcome = live.begin_step()
+        t.state.epoch_loss.mark()  # (after the quorum: a heal there brings sums of its own)
     if t.recording.unwritten is not None:  # the step metrics are on
         _metrics_writer(t, healed=outcome is StepOutcome.HEALED)
     if outcome is StepOutcome.GO:

@@ -8,7 +8,9 @@ resume from a checkpoint, a live replacement) must cut its buckets as the run di
 its first step, or its sums differ in the last bits from the run it continues. It settles
 them with one forward and backward of the step's first micro-batch that changes nothing:
 its gradients, the module's buffers (BatchNorm's statistics), the random streams, the
-compression's state (error feedback) and the step's traffic are put back as they were.
+compression's state (error feedback) and the step's traffic are put back as they were. (A
+sum of two is the same in any order: a DDP group of two ranks is not settled. A forward of
+the user's that records what it sees can tell the settling pass by ``settling()``.)
 Across live groups (``shoal.ft.across``) the settling backward crosses no group (under
 topk none is needed: its selections follow the parameters' order); elsewhere every rank of
 the process group settles at the same step, and its sums are thrown away.
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.checkpoint import rng
@@ -35,7 +38,20 @@ def settle_after_resume(t: Trainer) -> None:
     if isinstance(comm, AcrossGroups):
         comm.settle_due = not comm.settled
     elif not isinstance(comm, TopKAcrossGroups):  # (its selections follow the parameters)
-        t.harness.settle_due = isinstance(t.model, DistributedDataParallel)
+        model = t.model
+        # (a sum of two is the same in any order: two ranks need no settling)
+        t.harness.settle_due = isinstance(model, DistributedDataParallel) and \
+            dist.get_world_size(model.process_group) > 2
+
+
+_settling = False
+
+
+def settling() -> bool:
+    """Whether this process now settles DDP's buckets: the forward under way is not a
+    step's (its gradients are thrown away). A forward that records what it trains on can
+    skip it."""
+    return _settling
 
 
 def settle(t: Trainer, batch: Any) -> None:
@@ -49,13 +65,16 @@ def settle(t: Trainer, batch: Any) -> None:
     buffers = [b.clone() for b in model.buffers()]
     streams = rng.capture()
     kept = None if across else copied(comm.state_dict())
+    global _settling
     if across:
         comm.muted = True
+    _settling = True
     try:
         with h.autocast():
             loss = loss_of(model, batch, t.loss_fn, t.step_fn)
         h.precision.backward(loss)
     finally:
+        _settling = False
         if across:
             comm.muted = False
     comm.settle_due = h.settle_due = False
