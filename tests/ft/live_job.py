@@ -219,6 +219,7 @@ result = trainer.fit(Augmented(build_data()[0]) if args.augment else build_data(
 (out / f"figures.g{group}.r{rank}.json").write_text(json.dumps(
     {"quorums": trainer.live.quorums if trainer.live else None,
      "saves": trainer.live.saves if trainer.live else None,  # it wrote the checkpoints last
+     "reports": trainer.reports,  # it wrote the run's final metrics
      "train_loss": result.get("train_loss"),  # none when it healed at the last step
      "validation": trainer.validate(build_data()[1])}))
 torch.save({**full_state(trainer), "step": trainer.global_step},

@@ -153,6 +153,7 @@ def test_without_failures_the_groups_ask_the_lighthouse_once(tmp_path, ddp_run):
     assert "trained apart" not in output
     # Group 0 comes first in the quorum: it would write the checkpoints, group 1 not.
     assert [figures(live, group)["saves"] for group in (0, 1)] == [True, False]
+    assert [figures(live, group)["reports"] for group in (0, 1)] == [True, False]
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
     for figure in ("validation", "train_loss"):
@@ -207,7 +208,8 @@ def test_available_goes_on_writing_while_group_0_is_missing(tmp_path):
     holds its final model. With metrics in windows of 4, the window of steps 5 and 6 dies
     with group 0: group 1 writes them as it kept them, then its own, every step once. With
     checkpoints every 0.05 s (steps of at least 0.02 s), group 1 saves some of the steps
-    between. (Before, none of these was written after group 0 was lost.)"""
+    between. Group 1 reports the run's end (its final metrics). (Before, none of these was
+    written after group 0 was lost.)"""
     flags = ("--replica-groups", "2", "--max-restarts", "0", "--ft-policy", "available")
     folder = tmp_path / "ckpt"
     written = tmp_path / "written"
@@ -219,6 +221,7 @@ def test_available_goes_on_writing_while_group_0_is_missing(tmp_path):
         output = _finish(_shoal_run(live, *flags,
                                     job=("--kill", "0:6", "--checkpoints", str(folder))))
         assert "replica group 0 failed for good" in output, output[-4000:]
+        assert figures(live, 1)["reports"]  # the run's end lines and metrics.json: group 1's
         store = CheckpointStore(folder, keep_last=1)
         shared, _, meta = store.load(store.latest())
         assert meta["global_step"] == STEPS == final(live, 1)["step"]

@@ -8,8 +8,8 @@
 The promises (docs/fault_tolerance.md): under restarts and under live 'exact' the run ends
 by itself with the final metrics and weights of the run without faults, to the bit; under
 live 'available' it ends by itself, no group that no fault struck is restarted, the samples
-of the groups that were missing are counted, and the final validation loss is within
-``AVAILABLE_TOLERANCE`` of the run without faults.
+of the groups that were missing are counted, and the final validation accuracy is within
+``AVAILABLE_TOLERANCE`` of the run without faults'.
 """
 
 from __future__ import annotations
@@ -25,11 +25,17 @@ from shoal.chaos.inject import ChaosRun, run_under
 from shoal.chaos.schedule import Schedule
 
 MODES = ("restart", "exact", "available")
-AVAILABLE_TOLERANCE = 0.05
-"""Live 'available': the final validation loss's bound, relative to the run without
-faults, where the missing groups' skipped samples are at most ``SKIPPED_BOUND`` of the
-run's (with more skipped, the run trained on that many fewer samples: no bound holds)."""
-SKIPPED_BOUND = 0.05
+AVAILABLE_TOLERANCE = 0.03
+"""Live 'available': how far below the run without faults' the final validation accuracy
+may be, where the missing groups' skipped samples are at most ``SKIPPED_BOUND`` of the
+run's (with more skipped, the run trained on that many fewer samples: no bound holds).
+A run that skips samples trains on another sequence of batches: its result is another
+run's, as one with another data order is. On the digits job (examples/digits.yaml, 12
+epochs, 2 processes) the last five epochs' accuracy of the runs with seeds 0 to 5 lie
+within 0.944 and 0.972, and their final validation loss within 0.090 and 0.114 (it swings
+by as much from one epoch to the next: 0.161 and 0.094 at seed 0), so the loss bounds
+nothing and the accuracy's spread is the bound."""
+SKIPPED_BOUND = 0.10
 FIGURES = ("epoch", "global_step", "train_loss", "val_loss", "val_accuracy")
 """The final metrics that must be the same to the bit (the rest are timings)."""
 _RESTART = re.compile(r"^shoal: (?:replica group (\d+): )?attempt \d+ of \d+ failed", re.M)
@@ -174,13 +180,14 @@ def broken(setting: Setting, outcome: Outcome, reference: Outcome) -> list[str]:
     if any(e["taking_part"] < e["groups"] for e in events) and \
             not max(e["skipped_samples"] for e in events):
         problems.append("groups were missing but no skipped sample was counted")
-    loss, calm = ours.get("val_loss"), theirs.get("val_loss")
-    if loss is None or calm is None:
-        problems.append("no final val_loss")
+    accuracy, calm = ours.get("val_accuracy"), theirs.get("val_accuracy")
+    if accuracy is None or calm is None:
+        problems.append("no final val_accuracy")
     elif skipped_share(setting, outcome) <= SKIPPED_BOUND and \
-            abs(loss - calm) > AVAILABLE_TOLERANCE * abs(calm):
-        problems.append(f"val_loss {loss} against {calm}: beyond {AVAILABLE_TOLERANCE:.0%} "
-                        f"with {skipped_share(setting, outcome):.1%} of the samples skipped")
+            accuracy < calm - AVAILABLE_TOLERANCE:
+        problems.append(f"val_accuracy {accuracy} against {calm}: more than "
+                        f"{AVAILABLE_TOLERANCE} below, with "
+                        f"{skipped_share(setting, outcome):.1%} of the samples skipped")
     return problems
 
 

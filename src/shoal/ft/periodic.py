@@ -38,8 +38,10 @@ class PeriodicSession(LiveSession):
         self._round_samples = 0  # this group's samples since the last meeting
         self._moved = False  # 'available': this group healed in a meeting (its step moved)
 
-    def finish(self) -> None:
-        """After the last step: nothing (the last meeting held every group)."""
+    def finish(self, step: int) -> None:
+        """After the last step (``step``): the samples skipped, said; no more quorum (the
+        last meeting held every group)."""
+        self._say_skipped(step)
 
     def join(self, blank: Callable[[], torch.Tensor]) -> StepOutcome:
         """At this process's first step: meet the others. At the job's start every group
@@ -126,8 +128,7 @@ class PeriodicSession(LiveSession):
                           f"their steps again; {self.skipped_samples} samples skipped while "
                           "some were missing")
             self._participants = bringing
-            self._record(step, kind="replica_groups", taking_part=bringing, groups=groups,
-                         skipped_samples=self.skipped_samples)
+            self._record_change(step, bringing)
         self._round_samples = 0
         return mean
 

@@ -77,6 +77,7 @@ class LiveSession:
         ``saves``), and reports the run's progress."""
         self.skipped_samples = 0
         """Samples of missing groups skipped (policy 'available'), over the whole run."""
+        self._recorded = 0  # skipped_samples in the last replica_groups record
         self.healed: list[dict] = []
         """Each heal of this group: step, bytes, seconds."""
         self.redone = False
@@ -292,8 +293,7 @@ class LiveSession:
                 self._say(f"step {step + 1}: all {groups} replica groups take part again; "
                           f"{self.skipped_samples} samples skipped while some were missing")
             self._participants = joined
-            self._record(step + 1, kind="replica_groups", taking_part=joined, groups=groups,
-                         skipped_samples=self.skipped_samples)
+            self._record_change(step + 1, joined)
         return StepOutcome.COMMITTED
 
     def _average(self, tensors: Sequence[torch.Tensor],
@@ -402,8 +402,11 @@ class LiveSession:
             mean = torch.cat([g.reshape(-1) for g in grads]).cpu()
         self.rounds.log_step(mean, self.step_losses)
 
-    def finish(self) -> None:
-        """After the last step: one more quorum. A commit vote is taken inside each group,
+    def finish(self, step: int) -> None:
+        """After the last step (``step``): the samples skipped over the run said and
+        recorded, where groups were missing (the changes of who takes part are recorded as
+        they come: a group alone to the end has its later steps' skips only here), then one
+        more quorum. A commit vote is taken inside each group,
         so a group's last step may fail where the others' committed (its all-reduce timed
         out): such a group, doing that step again, meets the others here and heals from
         them, instead of doing it alone after they have ended (the groups end as one
@@ -411,6 +414,7 @@ class LiveSession:
         after it (over HTTP); the second holds this group until then. Each is given up
         after ``step_timeout_s``, in a line: the others may have ended already (or still
         be busy after their last step, or the lighthouse does not answer)."""
+        self._say_skipped(step)
         wait = self.place.config.step_timeout_s
         for _ in range(2):
             try:
@@ -421,6 +425,20 @@ class LiveSession:
                           "others may have ended already, or the lighthouse does not answer): "
                           "this group ends as it is, its last step committed")
                 return
+
+    def _say_skipped(self, step: int) -> None:
+        """At the end (``step``): the samples skipped over the run, said and recorded."""
+        if self.skipped_samples:
+            self._say(f"{self.skipped_samples} samples skipped over the run while replica "
+                      "groups were missing (policy available)")
+            if self.skipped_samples != self._recorded:  # skipped since the last change
+                self._record_change(step, self._participants)
+
+    def _record_change(self, step: int, taking_part: int) -> None:
+        """A change of who takes part (or the end), for the run's metrics."""
+        self._record(step, kind="replica_groups", taking_part=taking_part,
+                     groups=self.place.groups, skipped_samples=self.skipped_samples)
+        self._recorded = self.skipped_samples
 
     def _gather(self, blob: bytes, lengths: list[int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,6 +460,13 @@ class LiveSession:
         groups in the last quorum (group 0 where it takes part; under 'available', while
         group 0 is missing, the next one)."""
         return self.replica.leads
+
+    @property
+    def reports(self) -> bool:
+        """This group reports the run (its progress, its end): the one that ``saves`` once a
+        quorum has met (under 'available' the next group, where group 0 failed for good),
+        group 0 before."""
+        return self.saves if self.replica.participants else self.writes
 
     @property
     def saves_in_wait(self) -> bool:

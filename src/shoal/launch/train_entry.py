@@ -54,12 +54,17 @@ def _train(config: RunConfig) -> dict[str, float]:
                       **config.trainer.model_dump(exclude={"fault_tolerance"}))
     trainer.run_config = config.model_dump(mode="json")
     metrics = trainer.fit(train_data, val_data)
-    if trainer.reports:
+    # Rank 0 of every live group writes the final metrics (the groups end as one model, the
+    # same figures but timings): the group that reports may be lost after its end.
+    if trainer.writes_metrics:
         assert config.run.dir is not None  # the loader sets it
         path = Path(config.run.dir) / "metrics.json"
-        written = path.with_suffix(".json.partial")  # whole or not at all: a kill mid-write
+        # whole or not at all: a kill mid-write, or another group's write beside it
+        written = path.with_name(f".metrics.json.{os.getpid()}")
+        path.parent.mkdir(parents=True, exist_ok=True)
         written.write_text(json.dumps(metrics, indent=2))
         os.replace(written, path)
+    if trainer.reports:
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in metrics.items())
         print(f"done: {shown}\nrun directory: {config.run.dir}", flush=True)

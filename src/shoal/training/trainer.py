@@ -186,9 +186,17 @@ class Trainer:
 
     @property
     def reports(self) -> bool:
-        """This process shows the run's progress and end lines: rank 0, of the group that
-        writes for all in live mode (every group reports the same figures)."""
-        return self.harness.is_main and (self.live is None or self.live.writes)
+        """This process shows the run's progress and end lines and writes its final
+        metrics: rank 0; in live mode, of the group that writes for all
+        (``LiveSession.reports``: every group reports the same figures)."""
+        return self.harness.is_main and (self.live is None or self.live.reports)
+
+    @property
+    def writes_metrics(self) -> bool:
+        """This process writes the run's final metrics (``shoal train``'s metrics.json):
+        rank 0, of every live group (they end with the same figures but timings, and the
+        group that reports may be lost after its end)."""
+        return self.harness.is_main
 
     @property
     def _saves(self) -> bool:
@@ -299,7 +307,7 @@ class Trainer:
                     break
                 self.state.next_epoch()
             if self.live is not None:
-                self.live.finish()
+                self.live.finish(self.global_step)
             result = {**metrics, "global_step": self.global_step}
             self.recording.finish(result, show_summary=c.progress)
         finally:
