@@ -36,6 +36,8 @@ _LAZY = {
     "WorkerFailedError": "shoal.launch.spawn",
     "spawn": "shoal.launch.spawn",
     "TrainerConfig": "shoal.training.config",
+    "Callback": "shoal.training.callbacks",
+    "EarlyStopping": "shoal.training.early_stopping",
     "Harness": "shoal.training.harness",
     "seed_everything": "shoal.runtime.seeds",
     "Trainer": "shoal.training.trainer",
@@ -71,6 +73,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from shoal.runtime.heartbeat import heartbeat
     from shoal.runtime.info import info
     from shoal.runtime.seeds import seed_everything
+    from shoal.training.callbacks import Callback
     from shoal.training.config import TrainerConfig
+    from shoal.training.early_stopping import EarlyStopping
     from shoal.training.harness import Harness
     from shoal.training.trainer import Trainer

@@ -32,6 +32,7 @@ from shoal.parallel.pipeline_parallel import placed_in_stage
 
 # layers: up to remote/, which imports nothing of training: checkpoints hold a tier's state
 from shoal.remote.module import remote_modules
+from shoal.training.callbacks import Callbacks
 from shoal.training.config import TrainerConfig
 from shoal.training.harness import Harness
 from shoal.training.settling import settle_after_resume
@@ -49,6 +50,7 @@ class Trainer(Protocol):
     tracking: dict[str, str]
     checkpointing: Checkpointing | None
     history: list[dict[str, float]]
+    callbacks: Callbacks
     live: Any  # the live session while fit runs in a live job (shoal.ft.session), or None
 
     @property
@@ -172,8 +174,10 @@ class Checkpointing:
             _say(t, f"not saving step {t.state.global_step}: the model holds NaN or Inf; the last "
                     "good checkpoint stays the newest")
             return None
+        t.callbacks.fire("on_save_checkpoint", t, t.state.global_step)
         shared, own, meta = self._parts()
         path = self.store.save(t.state.global_step, shared, own, meta)
+        t.callbacks.fire("on_checkpoint_saved", t, t.state.global_step, str(path))
         self.saved_step = t.state.global_step
         self.saved_at = time.monotonic()
         self._requested = False
@@ -236,6 +240,7 @@ class Checkpointing:
                  "position": meta["position"] if "position" in meta else meta["consumed"],
                  "accumulate": self._keep_global_batch(meta),
                  "skipped_steps": meta.get("skipped_steps", []),
+                 "callbacks": meta.get("callbacks"),
                  # absent from checkpoints of earlier releases
                  "epoch_loss": meta.get("epoch_loss")}
         if own is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -27,6 +27,17 @@ from shoal.parallel.tensor_parallel import TensorParallelConfig
 from shoal.parallel.topology import ParallelDims
 
 Precision = Literal["32", "bf16-mixed", "fp16-mixed"]
+
+class CallbackSpec(BaseModel):
+    """A callback built from its class (or function) by import path, with ``args``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    builder: str
+    """Import path 'package.module:Class'."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for it."""
+
 
 class TrainerConfig(BaseModel):
     """Settings of ``shoal.Trainer`` and the ``trainer:`` section of a run config.
@@ -89,6 +100,13 @@ class TrainerConfig(BaseModel):
     """Passes over the training data (default 1 when max_steps is not set either)."""
     max_steps: int | None = Field(None, gt=0)
     """Stop after this many optimizer steps."""
+    val_every_steps: int | None = Field(None, gt=0)
+    """Also validate every this many optimizer steps (besides each epoch's end), where
+    ``fit`` is given validation data."""
+    callbacks: list[str | CallbackSpec] = Field(default_factory=list)
+    """Callbacks by import path ('module:Class', searched beside the run config as builders
+    are) or as ``{builder, args}``; a Trainer built in code takes objects too (see
+    shoal.Callback)."""
     seed: int = 0
     """Seed of the data order (same on every rank) and of each rank's RNGs (seed + rank)."""
     num_workers: int = Field(0, ge=0)
@@ -179,6 +197,15 @@ class TrainerConfig(BaseModel):
             if problem is not None:
                 raise ValueError(f"resume {self.resume}: {problem}")
         return self
+
+    @field_validator("callbacks")
+    @classmethod
+    def _import_paths(cls, specs: list[str | CallbackSpec]) -> list[str | CallbackSpec]:
+        for spec in specs:
+            module, sep, attr = (spec if isinstance(spec, str) else spec.builder).partition(":")
+            if not (module and sep and attr):
+                raise ValueError("a callback's import path must look like 'package.module:Class'")
+        return specs
 
     @field_validator("precision", mode="before")
     @classmethod

@@ -51,6 +51,8 @@ from shoal.training.harness import Harness
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    from shoal.training.callbacks import Callbacks
+
 
 class TrainState:
     """What a step changes: the Trainer's model, optimizer, scheduler and harness (scaler,
@@ -72,6 +74,9 @@ class TrainState:
         """Micro-batches a step (a resume on other ranks may change it)."""
         self.skipped_steps: list[int] = []
         """Steps skipped for non-finite gradients."""
+        self.callbacks: Callbacks | None = None
+        """The Trainer's callbacks, whose states travel with the run's (checkpoints,
+        heals)."""
         self.epoch_loss = EpochLoss(harness.device)
         """The epoch's running loss sums, since it began."""
         self.unwritten: list[tuple] = []
@@ -111,7 +116,8 @@ class TrainState:
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler
                  else None,
                  "global_step": self.global_step, "epoch": self.epoch, "position": self.position,
-                 "accumulate": self.accumulate, "skipped_steps": list(self.skipped_steps)}
+                 "accumulate": self.accumulate, "skipped_steps": list(self.skipped_steps),
+                 "callbacks": self.callbacks.state_dict() if self.callbacks else None}
         if not heal:
             groups = h.replica_groups[0]
             return {**state, "comm": h.comm_state_dict(), "rng": rng.capture(),
@@ -146,6 +152,8 @@ class TrainState:
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.position, self.accumulate = state["position"], state["accumulate"]
         self.skipped_steps = list(state.get("skipped_steps", []))
+        if self.callbacks and state.get("callbacks") is not None:
+            self.callbacks.load_state_dict(state["callbacks"])
         if heal:
             self.epoch_loss = EpochLoss.taken_over(h.device, state["epoch_loss"])
             self.unwritten = list(state["unwritten"])

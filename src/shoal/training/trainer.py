@@ -6,6 +6,7 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from shoal.checkpoint import rng
 from shoal.data.sharding import (
     agreed_batches,
     agreed_length,
@@ -42,6 +44,7 @@ from shoal.training.batches import (
     samples_in,
     tokens_in,
 )
+from shoal.training.callbacks import Callback, Callbacks, build_callbacks
 from shoal.training.checkpointing import Checkpointing
 from shoal.training.config import TrainerConfig
 from shoal.training.evaluation import validate
@@ -91,11 +94,15 @@ class Trainer:
     ``lr_scheduler`` is a scheduler, or a function of the optimizer returning one; it is
     stepped after every optimizer step. ``tp_plan`` (module-name pattern -> torch
     ParallelStyle) replaces the ready tensor-parallel plan when ``parallel.tp`` > 1.
+    ``callbacks``: ``shoal.Callback`` objects, or import paths as in a run config's
+    ``trainer.callbacks``; their hooks run at the loop's points (see shoal.Callback).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
-                 lr_scheduler: Any = None, tp_plan: dict | None = None, **settings: Any):
+                 lr_scheduler: Any = None, tp_plan: dict | None = None,
+                 callbacks: Sequence[Callback | str | Mapping[str, Any]] = (),
+                 **settings: Any):
         """Validate the settings, join the process group and set up model and optimizer.
 
         Raises:
@@ -103,13 +110,16 @@ class Trainer:
                 parallel degrees), ``loss_fn`` and ``step_fn`` are both given or do not take
                 two arguments, ``step_fn`` is given under pipeline parallelism, the model
                 does not fit the strategy (see ``Harness.setup``; a RemoteModule under zero2,
-                fsdp, tp or pp), or ``lr_scheduler`` is built on an optimizer that the
-                strategy replaces.
+                fsdp, tp or pp), ``lr_scheduler`` is built on an optimizer that the
+                strategy replaces, or one of ``callbacks`` is no ``shoal.Callback`` (or
+                its import path names nothing).
             ValueError: If the launcher's environment is incomplete (see ``shoal.init``).
             RuntimeError: If the process group cannot form, or a collective of the setup
                 fails (a peer died; DDP finds that the ranks' models differ).
         """
-        self.config = TrainerConfig.build(**settings)
+        # (the config keeps those given by import path: a run's config.yaml names them)
+        self.config = TrainerConfig.build(
+            callbacks=[s for s in callbacks if isinstance(s, (str, Mapping))], **settings)
         c = self.config
         check_loss_functions(loss_fn, step_fn)
         if step_fn is not None and c.parallel.pp_enabled:
@@ -149,6 +159,11 @@ class Trainer:
         # What a step changes: what checkpoints save and a replacement group heals from.
         self.state = TrainState(self.harness, self.state_model, self.optimizer, lr_scheduler,
                                 c.accumulate_grad_batches)
+        self.callbacks = Callbacks(build_callbacks(callbacks))
+        self.state.callbacks = self.callbacks  # (their states travel with the run's)
+        self._val_data: Dataset | DataLoader | None = None  # fit's, for val_every_steps
+        self._epoch_started: int | None = None  # the epoch on_epoch_start was called for
+        self._validated: tuple[int, dict[str, float]] | None = None  # the last: step, figures
         self.live: LiveSession | None = None  # the live session while fit runs in a live job
         self.history: list[dict[str, float]] = []
         self._preemption: PreemptionWatch | None = None
@@ -260,6 +275,8 @@ class Trainer:
             reader = self.checkpointing or Checkpointing(self, directory, every=None,
                                                          keep_last=c.keep_last)
             reader.resume(c.resume)
+            if self.global_step > 0:
+                self.callbacks.fire("on_resume", self, self.global_step)
         if self.live is not None and self.checkpointing:
             self.live.own_part = self.checkpointing.restore_own
         total = self._total_steps(loader, epochs, max_steps)
@@ -269,8 +286,9 @@ class Trainer:
         # Resumed from a run that had finished: nothing to train, and its final metrics.
         metrics: dict[str, float] = dict(self.history[-1]) if self.history else {}
         if self.history and self._finished(epochs, max_steps) and self.harness.is_main:
-            print(f"shoal: the run had finished at step {self.global_step}: nothing left "
-                  "to train; its final metrics stand", file=sys.stderr, flush=True)
+            why = f" ({self.callbacks.stop_reason})" if self.callbacks.stop_reason else ""
+            print(f"shoal: the run had finished at step {self.global_step}{why}: nothing "
+                  "left to train; its final metrics stand", file=sys.stderr, flush=True)
         # Every live group watches for a preemption signal, and for timed saves: the group
         # that saves may change (``_saves``).
         self._preemption = PreemptionWatch(
@@ -280,9 +298,11 @@ class Trainer:
             self.live.before_wait = self._preemption.before_wait
         # (live: marked from the step the first quorum says, see training.live)
         self.recording.open(writes, resumed=bool(c.resume) and self.global_step > 0)
+        self._val_data = val_data
         try:
             if self._preemption:
                 self._preemption.start()
+            self.callbacks.fire("on_fit_start", self)
             while not self._finished(epochs, max_steps):
                 try:
                     ran = self._train_epoch(loader, progress, max_steps)
@@ -297,12 +317,10 @@ class Trainer:
                     self.harness.synchronize()  # replicas that train apart end as one
                 metrics = {"epoch": self.epoch, **train}
                 if val_data is not None:
-                    metrics.update(self.validate(val_data))
-                    self.recording.record("validation", self.global_step, epoch=self.epoch,
-                                          **{k: v for k, v in metrics.items()
-                                             if k.startswith("val_")})
+                    metrics.update(self._validation(val_data))
                 self.history.append(metrics)
                 self._report_epoch(metrics, progress)
+                self.callbacks.fire("on_epoch_end", self, metrics)
                 if not epoch_done:  # stopped by max_steps inside the epoch
                     break
                 self.state.next_epoch()
@@ -310,6 +328,9 @@ class Trainer:
                 self.live.finish(self.global_step)
             result = {**metrics, "global_step": self.global_step}
             self.recording.finish(result, show_summary=c.progress)
+        except Exception as error:
+            self.callbacks.fire("on_exception", self, error)
+            raise
         finally:
             progress.close()
             if self._preemption:
@@ -325,13 +346,53 @@ class Trainer:
                 self.checkpointing.save_own()
                 self.checkpointing.save()
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
+        self.callbacks.fire("on_fit_end", self, result)
         return result
+
+    def stop(self, reason: str = "a callback asked to stop") -> None:
+        """Ask the run to stop (from a callback's hook): every rank stops after the same
+        step, validates and saves as at the run's end; said in one line with ``reason``.
+
+        Never raises."""
+        self.callbacks.ask_stop(reason)
+
+    def _validation(self, val_data: Dataset | DataLoader) -> dict[str, float]:
+        """``validate``, recorded and given to the callbacks, keeping the random streams;
+        once a step (the epoch's end takes the figures of a validation at its last step)."""
+        if self._validated is not None and self._validated[0] == self.global_step:
+            return self._validated[1]
+        streams = rng.capture()  # (a loader's iterator draws its seed from them: the
+        figures = self.validate(val_data)  # training's dropout is what it is without it)
+        rng.restore(streams)
+        self.recording.record("validation", self.global_step, epoch=self.epoch, **figures)
+        self._validated = (self.global_step, figures)
+        self.callbacks.fire("on_validation_end", self, {"step": self.global_step, **figures})
+        return figures
+
+    def _after_step(self, loss: torch.Tensor) -> bool:
+        """After a step and its checkpoint: the callbacks' step hook, a validation every
+        ``val_every_steps``, and whether every rank agrees to stop now."""
+        cb = self.callbacks
+        if cb.wants("on_step_end"):
+            cb.fire("on_step_end", self, {"step": self.global_step, "epoch": self.epoch,
+                                          "loss": loss.item(),
+                                          "lr": self.optimizer.param_groups[0]["lr"]})
+        every = self.config.val_every_steps
+        if every and self._val_data is not None and self.global_step % every == 0:
+            self._validation(self._val_data)
+        if cb.stop_agreed(self.harness.device):
+            if self.harness.is_main:
+                print(f"shoal: stopping after step {self.global_step}: {cb.stop_reason}",
+                      file=sys.stderr, flush=True)
+            return True
+        return False
 
     def _finished(self, epochs: int | None, max_steps: int | None,
                   epoch: int | None = None) -> bool:
         epoch = self.epoch if epoch is None else epoch
         return ((max_steps is not None and self.global_step >= max_steps)
-                or (epochs is not None and epoch >= epochs))
+                or (epochs is not None and epoch >= epochs)
+                or self.callbacks.stop_reason is not None)
 
     def _total_steps(self, loader: DataLoader, epochs: int | None, max_steps: int | None
                      ) -> int | None:
@@ -354,6 +415,9 @@ class Trainer:
         if not set_epoch(loader, state.epoch, first) and first:
             state.restart_epoch()  # this loader cannot start mid-epoch: the epoch starts over
             first = 0
+        if first == 0 and self._epoch_started != state.epoch:
+            self._epoch_started = state.epoch
+            self.callbacks.fire("on_epoch_start", self)
         length = agreed_length(loader, h.device)
         micro_batches = samples = 0
         traffic = h.traffic
@@ -404,6 +468,9 @@ class Trainer:
             self._optimizer_step(position_after(loader, micro_batches), loss)
             if recording.on:
                 recording.step(micro_batches=position + 1)
+            if self._after_step(loss):  # (the step's validation comes before its save)
+                stopped = not last_batch
+                break  # (saved at the end, after the final validation)
             self._checkpoint_step()
             if progress.wants_update():
                 rate = samples * h.data_ranks / (time.perf_counter() - start)
