@@ -70,9 +70,8 @@ class Callback:
         every rank."""
 
     def on_save_checkpoint(self, trainer: Trainer, step: int) -> None:
-        """Before the checkpoint of ``step`` is written (every rank: a save is collective;
-        in live mode, of the group that writes it, and of each group keeping its own part
-        at the end)."""
+        """Before the checkpoint of ``step`` is written (every rank of the group that saves
+        it: a save is collective; in live mode every group saves the last step)."""
 
     def on_checkpoint_saved(self, trainer: Trainer, step: int, path: str) -> None:
         """After the checkpoint of ``step`` is in ``path`` (an asynchronous save: handed
@@ -110,6 +109,9 @@ class Callbacks:
 
     def __init__(self, callbacks: Sequence[Callback]):
         self.callbacks = list(callbacks)
+        # the hooks some callback overrides, read once (the loop asks each step)
+        self._overridden = frozenset(hook for hook in HOOKS for c in self.callbacks
+                                     if getattr(type(c), hook) is not getattr(Callback, hook))
         self.stop_reason: str | None = None
         """Why the run stops (``Trainer.stop``), once every rank agreed; or why it had."""
         self._asked: str | None = None  # this rank's request, not yet agreed
@@ -119,8 +121,7 @@ class Callbacks:
 
     def wants(self, hook: str) -> bool:
         """Some callback overrides ``hook`` (the loop computes its arguments only then)."""
-        return any(getattr(type(c), hook) is not getattr(Callback, hook)
-                   for c in self.callbacks)
+        return hook in self._overridden
 
     def fire(self, hook: str, trainer: Any, *args: Any) -> None:
         for callback in self.callbacks:
@@ -131,7 +132,7 @@ class Callbacks:
 
     def stop_agreed(self, device: torch.device) -> bool:
         """Whether any rank asked to stop (collective where callbacks are given: every rank
-        of the process group calls it at the same point). Said once, by rank 0."""
+        of the process group calls it at the same point)."""
         if self.stop_reason is not None:
             return True
         if not self.callbacks:
