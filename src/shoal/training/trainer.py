@@ -370,8 +370,9 @@ class Trainer:
         return figures
 
     def _after_step(self, loss: torch.Tensor) -> bool:
-        """After a step and its checkpoint: the callbacks' step hook, a validation every
-        ``val_every_steps``, and whether every rank agrees to stop now."""
+        """After a step, before its checkpoint (which then holds the step's validation):
+        the callbacks' step hook, a validation every ``val_every_steps``, and whether every
+        rank agrees to stop now."""
         cb = self.callbacks
         if cb.wants("on_step_end"):
             cb.fire("on_step_end", self, {"step": self.global_step, "epoch": self.epoch,
