@@ -36,3 +36,42 @@ def test_a_schedule_says_its_seed_and_each_fault():
     assert str(Schedule(4)) == "chaos seed 4: no faults"
     # a job of restarts: ranks only
     assert all(f.group is None for f in Schedule.draw(1, groups=None, ranks=4).faults)
+
+
+class _Flickering:
+    """A job whose one worker shows in every other look at it (a worker that ends, or
+    starts again, between two reads of the heartbeats)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.looks = pid, 0
+
+    def step(self) -> int:
+        return 5
+
+    def running(self) -> bool:
+        return True
+
+    def workers(self) -> dict:
+        self.looks += 1
+        return {(None, 0): (self.pid, 5)} if self.looks % 2 else {}
+
+    def _ours(self, pid: int) -> int:
+        return pid
+
+
+def test_a_worker_gone_between_two_looks_is_still_struck_once_seen():
+    """The schedule goes on where the worker it looked for ends as it is found (before, the
+    schedule's thread died of a KeyError and its later faults never came)."""
+    import subprocess
+    import sys
+
+    from shoal.chaos.inject import Chaos
+
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with Chaos(Schedule(0, (Fault(0.0, "kill", None, 0),)), _Flickering(worker.pid)) \
+                as chaos:
+            assert worker.wait(timeout=30) == -9  # (a hang guard: struck at once)
+        assert [f.kind for f in chaos.fired] == ["kill"]
+    finally:
+        worker.kill()

@@ -185,10 +185,15 @@ class Chaos:
             pid = found[0]
         else:
             place = (fault.group, fault.rank or 0)
-            if not self._wait(lambda: place in self.job.workers(), _PLACE_WAIT_S):
+            worker: list[int | None] = [None]
+
+            def there() -> bool:  # (read once: a worker may end between two reads)
+                worker[0] = (self.job.workers().get(place) or [None])[0]
+                return worker[0] is not None
+            if not self._wait(there, _PLACE_WAIT_S):
                 self._say(f"{fault}: no worker there")
                 return
-            pid = self.job.workers()[place][0]
+            pid = worker[0]
         assert pid is not None
         step = self.job.step()
         if fault.kind == "stop":

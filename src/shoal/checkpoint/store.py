@@ -224,15 +224,45 @@ class CheckpointStore:
 
     def load_own(self, path: str | os.PathLike, group: int) -> dict | None:
         """This rank's own part of the checkpoint at ``path`` as replica group ``group``
-        kept it (``save_own``), or None where it has none."""
-        found = STEP_DIR.match(Path(path).name)
+        kept it (``save_own``; the checkpoint's own where ``group`` wrote it), or None where
+        it has none. Not collective: the group's other ranks may not be loading."""
+        path = Path(path)
+        found = STEP_DIR.match(path.name)
         if found is None:
             return None
+        if self._writer_of(path) == group:
+            return self._rank_part(path)
         own = self.own_path(int(found.group(1)), group) / f"rank{_rank()}.pt"
         try:
             return torch.load(own, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             return None
+
+    @staticmethod
+    def _writer_of(path: Path) -> int | None:
+        """The live group that wrote the checkpoint at ``path`` (None: none, or no such
+        complete checkpoint)."""
+        try:
+            return json.loads((path / META).read_text())["meta"].get("group")
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def _rank_part(self, path: Path) -> dict | None:
+        """This rank's own part of the checkpoint at ``path``, read by this process alone."""
+        info = json.loads((path / META).read_text())
+        rank = _rank()
+        if rank >= len(info["ranks"]) or info["ranks"][rank] is None:
+            return None
+        skeleton = info["ranks"][rank]
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        tensors = {}
+        for key in tree.tensor_keys(skeleton):
+            entry = stored.get(key)
+            if not isinstance(entry, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {path}: tensor {key!r} is missing")
+            tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+        return tree.join(skeleton, tensors)
 
     # -- finding ----------------------------------------------------------------------------
 

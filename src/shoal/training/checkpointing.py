@@ -276,10 +276,10 @@ class Checkpointing:
         return self.store.has_own(path, self.trainer.harness.world_size)
 
     def restore_own(self, step: int) -> None:
-        """Load this group's own part of the checkpoint of ``step`` (``save_own``), where it
-        kept one, over the state: a live group that took another's copy of a step both
-        resumed (every group lost at once) holds its own error feedback (and under
-        local_sgd and diloco its own replica) again."""
+        """Load this group's own part of the checkpoint of ``step`` (``save_own``, or the
+        checkpoint's own where this group wrote it), over the state: a live group that took
+        another's copy of a step both resumed (every group lost at once) holds its own
+        error feedback (and under local_sgd and diloco its own replica) again."""
         own = self.store.load_own(self.store.path_for(step), self.group) \
             if self.group is not None else None
         if own is None:
