@@ -14,6 +14,7 @@ continues under 'ddp' on 1, and the reverse.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.tensor import DTensor
 
 from shoal.checkpoint import CheckpointError, CheckpointStore, rng, tree
+from shoal.checkpoint.layout import META
 from shoal.errors import UsageError
 from shoal.ft.config import ReplicaPlace
 from shoal.parallel.pipeline_parallel import placed_in_stage
@@ -212,13 +214,20 @@ class Checkpointing:
                 "skipped_samples": t.live.skipped_samples if t.live is not None else 0}
         return shared, own, meta
 
-    def resume(self, source: str) -> None:
+    def resume(self, source: str, finished: Callable[[dict], bool] = lambda meta: False
+               ) -> None:
         """Load the checkpoint ``source`` names ('auto': the newest complete one) into the
         Trainer's state: same step, same next sample, same random streams, and the epoch's
-        loss so far."""
+        loss so far. ``finished(meta)``: a checkpoint's counters are the run's end (a live
+        group takes such a one without every group's own part: nothing is left to train,
+        and the others may have ended)."""
         t = self.trainer
+
+        def whole(path: Path) -> bool:
+            return self._every_part(path) or finished(json.loads(
+                (path / META).read_text())["meta"])
         path = Path(source) if source != "auto" else self.store.latest(
-            whole=self._every_part if self._parts_needed else None)
+            whole=whole if self._parts_needed else None)
         if path is None:
             _say(t, f"no checkpoint in {self.store.root}; starting from the beginning")
             return

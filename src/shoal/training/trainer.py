@@ -274,7 +274,9 @@ class Trainer:
             assert directory is not None  # the config requires checkpoint_dir for 'auto'
             reader = self.checkpointing or Checkpointing(self, directory, every=None,
                                                          keep_last=c.keep_last)
-            reader.resume(c.resume)
+            reader.resume(c.resume, finished=lambda meta: (
+                (max_steps is not None and meta["global_step"] >= max_steps)
+                or (epochs is not None and meta["epoch"] >= epochs)))
             if self.global_step > 0:
                 self.callbacks.fire("on_resume", self, self.global_step)
         if self.live is not None and self.checkpointing:
