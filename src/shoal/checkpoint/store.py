@@ -230,39 +230,14 @@ class CheckpointStore:
         found = STEP_DIR.match(path.name)
         if found is None:
             return None
-        if self._writer_of(path) == group:
-            return self._rank_part(path)
+        info = _info(path)
+        if info is not None and info["meta"].get("group") == group:
+            return _rank_part(path, info)
         own = self.own_path(int(found.group(1)), group) / f"rank{_rank()}.pt"
         try:
             return torch.load(own, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             return None
-
-    @staticmethod
-    def _writer_of(path: Path) -> int | None:
-        """The live group that wrote the checkpoint at ``path`` (None: none, or no such
-        complete checkpoint)."""
-        try:
-            return json.loads((path / META).read_text())["meta"].get("group")
-        except (OSError, ValueError, KeyError):
-            return None
-
-    def _rank_part(self, path: Path) -> dict | None:
-        """This rank's own part of the checkpoint at ``path``, read by this process alone."""
-        info = json.loads((path / META).read_text())
-        rank = _rank()
-        if rank >= len(info["ranks"]) or info["ranks"][rank] is None:
-            return None
-        skeleton = info["ranks"][rank]
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        tensors = {}
-        for key in tree.tensor_keys(skeleton):
-            entry = stored.get(key)
-            if not isinstance(entry, TensorStorageMetadata):
-                raise CheckpointError(f"checkpoint {path}: tensor {key!r} is missing")
-            tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
-        return tree.join(skeleton, tensors)
 
     # -- finding ----------------------------------------------------------------------------
 
@@ -330,22 +305,48 @@ class CheckpointStore:
         keys = tree.tensor_keys(info["shared"])
         if own_skeleton is not None:
             keys += tree.tensor_keys(own_skeleton)
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        tensors = {}
-        for key in keys:
-            if skip is not None and skip(key):
-                continue
-            entry = stored.get(key)
-            if not isinstance(entry, TensorStorageMetadata):
-                raise CheckpointError(f"checkpoint {path}: tensor {key!r} is missing")
-            target = (like or {}).get(key)
-            if target is not None and target.shape == entry.size \
-                    and target.dtype == entry.properties.dtype:
-                tensors[key] = target
-            else:
-                tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        tensors = _targets(path, [k for k in keys if skip is None or not skip(k)], like)
         dcp.load(tensors, checkpoint_id=str(path))
         shared = tree.join(info["shared"], tensors)
         own = tree.join(own_skeleton, tensors) if own_skeleton is not None else None
         return shared, own, {**info["meta"], "world_size": info["world_size"],
                              "step": info["step"]}
+
+
+def _info(path: Path) -> dict | None:
+    """The checkpoint's ``shoal.json`` (None: no such complete checkpoint)."""
+    try:
+        return json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _targets(path: Path, keys: list[str], like: dict[str, torch.Tensor] | None = None
+             ) -> dict[str, torch.Tensor]:
+    """Tensors for DCP to load ``keys`` of the checkpoint at ``path`` into: ``like``'s where
+    shape and dtype match, else empty ones shaped from the checkpoint's own metadata."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    tensors = {}
+    for key in keys:
+        entry = stored.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {path}: tensor {key!r} is missing")
+        target = (like or {}).get(key)
+        if target is not None and target.shape == entry.size \
+                and target.dtype == entry.properties.dtype:
+            tensors[key] = target
+        else:
+            tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    return tensors
+
+
+def _rank_part(path: Path, info: dict) -> dict | None:
+    """This rank's own part of the checkpoint at ``path`` (``info``: its ``shoal.json``),
+    read by this process alone."""
+    rank = _rank()
+    skeleton = info["ranks"][rank] if rank < len(info["ranks"]) else None
+    if skeleton is None:
+        return None
+    tensors = _targets(path, tree.tensor_keys(skeleton))
+    dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+    return tree.join(skeleton, tensors)
