@@ -23,8 +23,10 @@ replacement of group G, rank R's first fetch of a live group's state fails (an e
 torchft's transport), while its other ranks' go through. ``--no-commit G:S``: group G takes
 its vote on step S as no, once, while the others commit it. ``--step-sleep S``: after each
 step every group writes its step to OUT/step.g<group> and sleeps S seconds (the test acts
-on a job under way). ``--quorum-every S``, ``--share F``: the Trainer's own
-``fault_tolerance.quorum_every_s``, ``compression_state_share``. Beside the final state,
+on a job under way). ``--kill-after G:S``: group G's rank 0 SIGKILLs itself after step S,
+before its checkpoint (once group 0's checkpoint of the step is whole), once.
+``--quorum-every S``, ``--share F``: the Trainer's own ``fault_tolerance.quorum_every_s``,
+``compression_state_share``. Beside the final state,
 OUT/figures.g<group>.r<rank>.json holds the last epoch's train_loss, the validation figures
 after the last step, whether its group wrote the checkpoints at the end and how many
 quorums the process asked the lighthouse for.
@@ -59,6 +61,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("steps", type=int)
 parser.add_argument("--kill", action="append", default=[])
+parser.add_argument("--kill-after", default=None,
+                    help="G:S: group G's rank 0 SIGKILLs itself after step S, once")
 parser.add_argument("--stall", default=None,
                     help="G:S:R:SECONDS: group G's rank R sleeps in the forward of step S + 1")
 parser.add_argument("--pace", default=None)
@@ -111,8 +115,28 @@ if args.late and attempt > 0:
         time.sleep(0.05)
 model = build_model(hidden=64)
 folder, *every = (args.checkpoints or "").split(":")
+callbacks = []
+if args.kill_after:
+    import time
+
+    g, after = map(int, args.kill_after.split(":"))
+    marker = out / f"killed-after.{args.kill_after}"
+
+    class KillAfter(shoal.Callback):
+        def on_step_end(self, trainer, metrics):
+            if group == g and rank == 0 and metrics["step"] == after and not marker.exists():
+                # group 0's checkpoint of the step whole first (a restart takes it then)
+                written = Path(folder) / f"step_{after:09d}" / "COMMIT.json"
+                marker.write_text("")
+                deadline = time.monotonic() + 60
+                while g != 0 and not written.exists() and time.monotonic() < deadline:
+                    shoal.heartbeat(trainer.global_step)
+                    time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGKILL)
+    callbacks.append(KillAfter())
 trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch_size=16,
                         progress=False, max_steps=args.steps, strategy=args.strategy,
+                        callbacks=callbacks,
                         compression=json.loads(args.compression)
                         if args.compression.startswith("{") else args.compression,
                         **({args.strategy: {"period": args.period}} if args.period else {}),

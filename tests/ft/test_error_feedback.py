@@ -114,3 +114,24 @@ def test_every_group_lost_at_once_resumes_each_with_its_own_error_feedback(runs)
     assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))
     assert "kept no part of its own" not in output
     assert (live / "ckpt" / "step_000000013.group1" / "rank0.pt").is_file()
+
+
+def test_a_group_killed_in_its_final_save_resumes_from_the_finished_run(runs):
+    """Group 1 SIGKILLed after the last step, before it keeps its own part of the step's
+    checkpoint, once group 0's is whole. Group 0 ends, and group 1's restart takes that
+    checkpoint without its own part, the run's end, and trains nothing (before, it took
+    step 15's, the newest with every part, and waited for a group that had ended: the job
+    fell back to a restart of every group). Both end bitwise equal to the run without
+    failures."""
+    job = f"--compression {COMPRESSIONS['topk']} --share 1"
+    runs.start("whole-topk", "--replica-groups", "2", "--ft-policy", "available",
+               job=f"{job} --metrics {runs.root}/whole-topk/metrics:8")
+    runs.start("killed-after", "--replica-groups", "2", "--max-restarts", "1",
+               "--ft-replacement-timeout", "30",
+               job=f"{job} --kill-after 1:{STEPS} --checkpoints {runs.root}/killed-after/ckpt")
+    live, output = runs.wait("killed-after")
+    assert pids(live) == replaced_once(1), output[-6000:]
+    assert f"[group1 rank0]: shoal: the run had finished at step {STEPS}" in output, \
+        output[-6000:]
+    reference, _ = runs.wait("whole-topk")
+    assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))
