@@ -81,13 +81,14 @@ def test_tensorboard_asked_for_without_it(monkeypatch, tmp_path):
 
 
 def test_by_default_tensorboard_is_written_only_when_installed(monkeypatch, tmp_path):
-    from shoal.metrics.writer import TENSORBOARD, MetricsWriter
+    from shoal.metrics import trackers
+    from shoal.metrics.recorder import MetricsConfig
 
-    MetricsWriter(tmp_path / "with").close()
-    assert (tmp_path / "with" / TENSORBOARD).is_dir()
+    assert [type(t) for t in trackers.build(MetricsConfig(dir=str(tmp_path)))] == \
+        [trackers.TensorBoard]
+    assert (tmp_path / "tensorboard").is_dir()
     _uninstall(monkeypatch, "tensorboard")
-    MetricsWriter(tmp_path / "without").close()
-    assert not (tmp_path / "without" / TENSORBOARD).exists()
+    assert trackers.build(MetricsConfig(dir=str(tmp_path / "without"))) == []
 
 
 def test_the_remote_tier_without_grpc(monkeypatch, tmp_path):

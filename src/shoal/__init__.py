@@ -39,6 +39,7 @@ _LAZY = {
     "Callback": "shoal.training.callbacks",
     "EarlyStopping": "shoal.training.early_stopping",
     "Harness": "shoal.training.harness",
+    "Tracker": "shoal.metrics.tracker",
     "seed_everything": "shoal.runtime.seeds",
     "Trainer": "shoal.training.trainer",
 }
@@ -51,6 +52,7 @@ __getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:  # what type checkers and editors see
     from shoal.launch.spawn import WorkerFailedError, spawn
+    from shoal.metrics.tracker import Tracker
     from shoal.runtime.collectives import (
         all_gather,
         all_gather_object,

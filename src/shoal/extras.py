@@ -42,6 +42,7 @@ EXTRAS: dict[str, Extra] = {
     "plot": Extra(("matplotlib",), "the chart of shoal bench scaling (scaling.png)"),
     "hf": Extra(("transformers", "datasets"), "Hugging Face models and datasets"),
     "mlflow": Extra(("mlflow",), "logging runs to MLflow (trainer.metrics.mlflow)"),
+    "wandb": Extra(("wandb",), "logging runs to Weights & Biases (trainer.metrics.wandb)"),
     "ft": Extra(("torchft",), "live recovery (--replica-groups, fault_tolerance.mode: "
                               "live)"),
 }

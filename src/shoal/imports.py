@@ -19,7 +19,9 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from shoal.errors import UsageError
 from shoal.extras import extra_of, install_line, require
@@ -37,6 +39,56 @@ def use_code_paths(paths: Iterable[str]) -> None:
     by multiprocessing (data-loader workers) inherit sys.path."""
     paths = [str(path) for path in paths]
     sys.path[:] = paths + [entry for entry in sys.path if entry not in paths]
+
+
+class BuilderSpec(BaseModel):
+    """A function (or class) named by import path, called with ``args`` to build an object
+    (the data, the optimizer, a callback, a tracker)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    builder: str
+    """Import path 'package.module:function' (a class works too, e.g. 'torch.optim:AdamW')."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the builder."""
+
+    @field_validator("builder")
+    @classmethod
+    def _import_path(cls, path: str) -> str:
+        return checked_import_path(path)
+
+
+def checked_import_path(path: str) -> str:
+    """``path`` when it looks like 'package.module:attr'.
+
+    Raises:
+        ValueError: If it does not (a validator's message).
+    """
+    module, sep, attr = path.partition(":")
+    if not (module and sep and attr):
+        raise ValueError(f"{path!r}: an import path must look like 'package.module:function'")
+    return path
+
+
+def _import_path_checked(spec: str | BuilderSpec) -> str | BuilderSpec:
+    return checked_import_path(spec) if isinstance(spec, str) else spec
+
+
+Named = Annotated[str | BuilderSpec, AfterValidator(_import_path_checked)]
+"""A run config's entry that names an object: 'package.module:Class', or a ``BuilderSpec``."""
+
+
+def build_named(spec: str | BuilderSpec | Any, where: str) -> Any:
+    """What ``spec`` names, built: an import path ('module:Class', called without
+    arguments), a ``BuilderSpec`` or mapping of one (called with its ``args``); anything
+    else is taken as it is (an object given in code)."""
+    if isinstance(spec, str):
+        spec = BuilderSpec(builder=spec)
+    elif isinstance(spec, dict):
+        spec = BuilderSpec(**spec)
+    if isinstance(spec, BuilderSpec):
+        return import_builder(spec.builder, where)(**spec.args)
+    return spec
 
 
 def import_builder(path: str, where: str) -> Any:

@@ -135,9 +135,11 @@ def validate_run_tree(tree: dict[str, Any], name: str, overrides: Sequence[str] 
         spec = getattr(config, section)
         if spec is not None and spec.builder is not None:  # not a transformers model
             _check_builder(section, spec)
-    for i, callback in enumerate(config.trainer.callbacks):  # named now, not in each worker
-        import_builder(callback if isinstance(callback, str) else callback.builder,
-                       f"trainer.callbacks[{i}]")
+    for key in ("callbacks", "metrics.trackers"):  # named now, not in each worker
+        specs = config.trainer.callbacks if key == "callbacks" else config.trainer.metrics.trackers
+        for i, spec in enumerate(specs):
+            import_builder(spec if isinstance(spec, str) else spec.builder,
+                           f"trainer.{key}[{i}]")
     if config.remote_hardware is not None:
         import_builder(config.remote_hardware.tier_plugin, "remote_hardware.tier_plugin")
         config.remote_hardware.token()  # readable now, not first in every worker

@@ -2,37 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shoal.imports import BuilderSpec, checked_import_path
 from shoal.models.hf import HFModelConfig
 from shoal.remote.tier import RemoteConfig, splits_parameters
 from shoal.rl.config import PPOConfig
 from shoal.training.config import TrainerConfig
 
-
-class BuilderConfig(BaseModel):
-    """A function named by import path, called with ``args`` to build an object."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    builder: str
-    """Import path 'package.module:function' (a class works too, e.g. 'torch.optim:AdamW')."""
-    args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for the builder."""
-
-    @field_validator("builder")
-    @classmethod
-    def _import_path(cls, value: str) -> str:
-        return cast(str, _import_path(value))
-
-
-def _import_path(value: str | None) -> str | None:
-    module, sep, attr = (value or "").partition(":")
-    if value is not None and (not sep or not module or not attr):
-        raise ValueError("must look like 'package.module:function'")
-    return value
+BuilderConfig = BuilderSpec
 
 
 class ModelConfig(BaseModel):
@@ -54,7 +34,7 @@ class ModelConfig(BaseModel):
     @field_validator("builder")
     @classmethod
     def _import_path(cls, value: str | None) -> str | None:
-        return _import_path(value)
+        return checked_import_path(value) if value is not None else None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

@@ -3,9 +3,9 @@
 Each rank keeps a few floats per step (phases, loss, samples, bytes). At every ``every``-th
 step one all-gather brings them and each rank's resource use to rank 0, which writes a JSON line
 per step and one per window (every rank's figures and the straggler, if any), mirrors the
-main figures to TensorBoard and, when asked, to an MLflow run, and prints the straggler when
-it changes. At the end of the run rank 0 prints a table: every rank's mean step split, CPU
-and memory.
+main figures to its trackers (TensorBoard, MLflow, W&B, a user's own: see
+``shoal.metrics.trackers``), and prints the straggler when it changes. At the end of the
+run rank 0 prints a table: every rank's mean step split, CPU and memory.
 """
 
 from __future__ import annotations
@@ -19,20 +19,24 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shoal.extras import require
+from shoal.imports import Named
+from shoal.metrics import trackers as tracking_
 from shoal.metrics.flops import peak_flops
-from shoal.metrics.mlflow import MLflowConfig, MLflowRun, status_of
+from shoal.metrics.mlflow import MLflowConfig, status_of
 from shoal.metrics.resources import FIELDS as RESOURCE_FIELDS
 from shoal.metrics.resources import ResourceSampler, memory_limit
 from shoal.metrics.steps import PHASES, StepClock
 from shoal.metrics.stragglers import describe, find_straggler
+from shoal.metrics.tracker import Tracker
 from shoal.metrics.unwritten import StepFigures
+from shoal.metrics.wandb import WandbConfig
 from shoal.metrics.writer import MetricsWriter
 from shoal.runtime.collectives import gather_into_tensor
 from shoal.runtime.restarts import restart_cause
 
 STEP_FIELDS = (*PHASES, "step", "samples", "tokens", "bytes")
 TENSOR_FIELDS = ("loss", "grad_norm")  # device tensors, read once per window
-SUMMARY = "summary.txt"  # the end-of-run table, as an MLflow artifact
+SUMMARY = "summary.txt"  # the end-of-run table, as a tracker's file
 
 
 class MetricsConfig(BaseModel):
@@ -78,10 +82,23 @@ class MetricsConfig(BaseModel):
     """Also log to an MLflow run from rank 0: params, the figures of every step, the
     end-of-run table and the final metrics (see MLflowConfig); true: MLflow's defaults."""
 
-    @field_validator("mlflow", mode="before")
+    wandb: WandbConfig | None = None
+    """Also log to a Weights & Biases run from rank 0: the run config, the figures of every
+    step, the end-of-run table and the final metrics (see WandbConfig); true: W&B's
+    defaults."""
+    trackers: list[Named] = Field(default_factory=list)
+    """Your own trackers by import path ('module:MyTracker', searched beside the run config
+    as builders are) or as ``{builder, args}``: each a ``shoal.Tracker``."""
+
+    @field_validator("mlflow", "wandb", mode="before")
     @classmethod
-    def _mlflow_switch(cls, value: object) -> object:
+    def _switch(cls, value: object) -> object:
         return {} if value is True else None if value is False else value
+
+    def untracked(self) -> MetricsConfig:
+        """These settings without trackers (a live group that takes over the writing: the
+        first writer's tracker runs stay open, for it to continue)."""
+        return self.model_copy(update={"mlflow": None, "wandb": None, "trackers": []})
 
     def wants_grad_norm(self, global_step: int) -> bool:
         """Whether step ``global_step`` measures the gradient norm."""
@@ -89,10 +106,11 @@ class MetricsConfig(BaseModel):
         return every is not None and global_step % every == 0
 
     @model_validator(mode="after")
-    def _mlflow_needs_metrics(self) -> MetricsConfig:
-        if self.mlflow is not None and not self.enabled:
-            raise ValueError("mlflow logs the step metrics, which enabled: false turns off "
-                             "(set enabled: true, or unset mlflow)")
+    def _trackers_need_metrics(self) -> MetricsConfig:
+        for name in ("mlflow", "wandb"):
+            if getattr(self, name) is not None and not self.enabled:
+                raise ValueError(f"{name} logs the step metrics, which enabled: false turns "
+                                 f"off (set enabled: true, or unset {name})")
         return self
 
 
@@ -104,15 +122,17 @@ class StepMetrics:
                  flops_per_token: float | None = None, precision: str = "32",
                  extras: tuple[str, ...] = (), labels: dict[str, str] | None = None,
                  start_step: int = 0, resumed: bool = False, params: dict | None = None,
-                 tracking: dict[str, str] | None = None, announce: bool = True):
+                 tracking: dict[str, str] | None = None, announce: bool = True,
+                 trackers: list[Tracker] = ()):  # type: ignore[assignment]
         """``extras``: the names of further figures each ``step`` gives (the same on every
         rank, or averaged over them); ``labels``: names the phases go by in what is
         printed (reinforcement learning's 'data' is its rollout); ``start_step`` and
         ``resumed``: where this start of the job begins, marked in metrics.jsonl;
-        ``params``: the settings an MLflow run logs as its params; ``tracking``: the
-        tracker's run id a resumed checkpoint kept (continued), updated with the run
+        ``params``: the settings a tracker logs as the run's config; ``tracking``: the
+        trackers' run ids a resumed checkpoint kept (continued), updated with the runs
         opened (to be kept in the next checkpoints); ``announce``: mark the start now (else
-        ``started`` does, once the step it starts from is known: a live replacement's)."""
+        ``started`` does, once the step it starts from is known: a live replacement's);
+        ``trackers``: trackers given in code, beside those ``config`` names."""
         self.config = config
         self.fields = (*STEP_FIELDS, *extras)
         self.extras = extras
@@ -127,10 +147,10 @@ class StepMetrics:
         self.clock = StepClock(device)
         self.sampler = ResourceSampler(device, config.resource_interval).start() \
             if config.resources else None
-        self.writer = MetricsWriter(config.dir, config.tensorboard) \
-            if config.dir and rank == 0 else None
-        self.mlflow = self._open_mlflow(params or {}, tracking if tracking is not None else {}) \
-            if config.mlflow is not None and rank == 0 else None
+        self.writer = MetricsWriter(config.dir) if config.dir and rank == 0 else None
+        self.trackers = tracking_.build(config, trackers) if rank == 0 else []
+        tracking_.start_all(self.trackers, params or {}, config.dir,
+                            tracking if tracking is not None else {})
         self._steps: list[tuple[int, int, float, dict[str, float]]] = []  # step, epoch, lr
         self._losses: list[torch.Tensor] = []  # device tensors: read once per window
         self._norms: list[torch.Tensor | None] = []
@@ -162,24 +182,16 @@ class StepMetrics:
         self.record("event", step, kind="resume" if self._resumed else "start",
                     world_size=self.world, restart=restart, memory_limit_bytes=memory_limit())
 
-    def _open_mlflow(self, params: dict, tracking: dict[str, str]) -> MLflowRun | None:
-        name = os.path.basename(os.path.normpath(self.config.dir)) if self.config.dir else None
-        assert self.config.mlflow is not None  # opened only when it is set
-        run = MLflowRun.start(self.config.mlflow, params, run_name=name,
-                              resume_id=tracking.get("mlflow_run_id"))
-        if run is not None:
-            tracking["mlflow_run_id"] = run.run_id
-        return run
-
     def record(self, type_: str, step: int, /, **fields) -> None:
         """A line of type ``type_`` at ``step`` in metrics.jsonl (rank 0; others: no-op),
         e.g. validation results, or an event: start, resume, end. Validation figures go to
-        MLflow too."""
+        the trackers too."""
         if self.writer is not None:
             self.writer.write({"type": type_, "step": step, "time": time.time(), **fields})
-        if self.mlflow is not None and type_ == "validation":
-            self.mlflow.log_metrics(step, {k: v for k, v in fields.items()
-                                           if k != "epoch" and isinstance(v, (int, float))})
+        if type_ == "validation":
+            values = tracking_.finite({k: v for k, v in fields.items() if k != "epoch"})
+            for tracker in self.trackers:
+                tracker.log_metrics(step, values)
 
     def step(self, global_step: int, epoch: int, lr: float, loss: torch.Tensor,
              grad_norm: torch.Tensor | None, samples: int, tokens: int, comm,
@@ -222,11 +234,11 @@ class StepMetrics:
         return taken[0].step - 1 if taken else None
 
     def sync(self) -> None:
-        """Collective, before a checkpoint: the steps so far written, and sent to MLflow,
-        so that every step the checkpoint holds is logged when it is committed."""
+        """Collective, before a checkpoint: the steps so far written, and sent to the
+        trackers, so that every step the checkpoint holds is logged when it is committed."""
         self.flush()
-        if self.mlflow is not None:
-            self.mlflow.wait()
+        for tracker in self.trackers:
+            tracker.wait()
 
     def flush(self) -> None:
         """Collective: every rank calls it at the same step."""
@@ -276,7 +288,7 @@ class StepMetrics:
             print(f"shoal: {describe(straggler, first, last, self.labels)}", file=sys.stderr,
                   flush=True)
         self._last_straggler = (straggler["rank"], straggler["phase"]) if straggler else None
-        if self.writer is None and self.mlflow is None:
+        if self.writer is None and not self.trackers:
             return
         now = time.time()
         for i, (global_step, epoch, lr, _) in enumerate(self._steps):
@@ -316,15 +328,14 @@ class StepMetrics:
                                "straggler": straggler})
         self._scalars(last, {f"rank{r}/{k}": v for r, row in enumerate(ranks)
                              for k, v in row.items() if k != "step"})
-        if self.mlflow is not None:
-            self.mlflow.flush()  # the window in one request
+        for tracker in self.trackers:
+            tracker.flush()  # the window at once
 
     def _scalars(self, step: int, values: dict[str, float | None]) -> None:
-        """The main figures, to TensorBoard and MLflow under the same names."""
-        if self.writer is not None:
-            self.writer.scalars(step, values)
-        if self.mlflow is not None:
-            self.mlflow.log_metrics(step, values)
+        """The main figures, to every tracker under the same names."""
+        figures = tracking_.finite(values)
+        for tracker in self.trackers:
+            tracker.log_metrics(step, figures)
 
     def _accumulate(self, column: dict[str, torch.Tensor], resources: torch.Tensor,
                     measured: torch.Tensor) -> None:
@@ -349,7 +360,8 @@ class StepMetrics:
 
     def finish(self, show_summary: bool = True, result: dict | None = None) -> None:
         """Collective, at the end of training: the last window, then rank 0's table (and
-        in MLflow the table and ``result``, the run's final metrics, as metrics.json)."""
+        in each tracker the table and ``result``, the run's final metrics, as
+        metrics.json)."""
         self.flush()
         if self.rank != 0:
             return
@@ -361,22 +373,24 @@ class StepMetrics:
                 lines.append(f"shoal: {rate:,.0f} tokens/s{mfu}")
             if show_summary:
                 print("\n".join(lines), flush=True)
-            if self.mlflow is not None:
-                self.mlflow.log_text("\n".join(lines) + "\n", SUMMARY)
-        if self.mlflow is not None and result is not None:
-            self.mlflow.log_dict(result, "metrics.json")
+            for tracker in self.trackers:
+                tracker.log_text("\n".join(lines) + "\n", SUMMARY)
+        if result is not None:
+            for tracker in self.trackers:
+                tracker.log_dict(result, "metrics.json")
 
     def close(self) -> None:
         """Not collective (also on the way out of an error): stop sampling, close files,
-        end the MLflow run (FINISHED; KILLED on the way out of an exit or interrupt;
+        end the trackers' runs (FINISHED; KILLED on the way out of an exit or interrupt;
         FAILED out of an error)."""
         if self.sampler:
             self.sampler.stop()
         if self.writer is not None:
             self.writer.close()
-        if self.mlflow is not None:
-            self.mlflow.end(status_of(sys.exc_info()[1]))
-            self.mlflow = None
+        status = status_of(sys.exc_info()[1])
+        for tracker in self.trackers:
+            tracker.finish(status)
+        self.trackers = []
 
 
 def summary_table(totals: list[dict[str, float]], steps: int,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from shoal.errors import UsageError
-from shoal.imports import import_builder
+from shoal.imports import build_named
 
 Trainer = Any  # a shoal.Trainer (not imported: its module imports this one)
 
@@ -90,12 +90,7 @@ def build_callbacks(specs: Iterable[Any]) -> list[Callback]:
     built = []
     for i, spec in enumerate(specs):
         where = f"trainer.callbacks[{i}]"
-        if isinstance(spec, str):
-            spec = {"builder": spec}
-        if isinstance(spec, Mapping):
-            made = import_builder(spec["builder"], where)(**spec.get("args", {}))
-        else:
-            made = spec
+        made = build_named(dict(spec) if isinstance(spec, Mapping) else spec, where)
         if not isinstance(made, Callback):
             raise UsageError(f"{where}: {type(made).__name__} is not a shoal.Callback "
                              "(subclass it, and override the hooks you need)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import (
     BaseModel,
@@ -17,6 +17,7 @@ from pydantic import (
 from shoal.checkpoint import layout
 from shoal.errors import usage_error
 from shoal.ft.config import FaultToleranceConfig
+from shoal.imports import Named
 from shoal.metrics.recorder import MetricsConfig
 from shoal.parallel.averaging import DiLoCoConfig, LocalSGDConfig
 from shoal.parallel.compression import CompressionConfig
@@ -27,17 +28,6 @@ from shoal.parallel.tensor_parallel import TensorParallelConfig
 from shoal.parallel.topology import ParallelDims
 
 Precision = Literal["32", "bf16-mixed", "fp16-mixed"]
-
-class CallbackSpec(BaseModel):
-    """A callback built from its class (or function) by import path, with ``args``."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    builder: str
-    """Import path 'package.module:Class'."""
-    args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for it."""
-
 
 class TrainerConfig(BaseModel):
     """Settings of ``shoal.Trainer`` and the ``trainer:`` section of a run config.
@@ -103,7 +93,7 @@ class TrainerConfig(BaseModel):
     val_every_steps: int | None = Field(None, gt=0)
     """Also validate every this many optimizer steps (besides each epoch's end), where
     ``fit`` is given validation data."""
-    callbacks: list[str | CallbackSpec] = Field(default_factory=list)
+    callbacks: list[Named] = Field(default_factory=list)
     """Callbacks by import path ('module:Class', searched beside the run config as builders
     are) or as ``{builder, args}``; a Trainer built in code takes objects too (see
     shoal.Callback)."""
@@ -197,15 +187,6 @@ class TrainerConfig(BaseModel):
             if problem is not None:
                 raise ValueError(f"resume {self.resume}: {problem}")
         return self
-
-    @field_validator("callbacks")
-    @classmethod
-    def _import_paths(cls, specs: list[str | CallbackSpec]) -> list[str | CallbackSpec]:
-        for spec in specs:
-            module, sep, attr = (spec if isinstance(spec, str) else spec.builder).partition(":")
-            if not (module and sep and attr):
-                raise ValueError("a callback's import path must look like 'package.module:Class'")
-        return specs
 
     @field_validator("precision", mode="before")
     @classmethod

@@ -54,16 +54,17 @@ class Recording:
     def open_metrics(self, start_step: int = 0, resumed: bool = False) -> StepMetrics:
         """This process's step metrics, from ``start_step`` (marked at once, but in a live
         job: ``StepMetrics.started``). A live group that takes over from group 0 logs to no
-        MLflow run: group 0's stays open, to be continued by it."""
+        tracker's run: group 0's stay open, to be continued by it."""
         t = self.trainer
         c, h = t.config, t.harness
         taking_over = t.live is not None and not t.live.writes
         self.metrics = StepMetrics(
-            c.metrics.model_copy(update={"mlflow": None}) if taking_over else c.metrics,
+            c.metrics.untracked() if taking_over else c.metrics,
             h.device, h.rank, h.world_size, t.flops_per_token, c.precision,
             start_step=start_step, resumed=resumed,
             params=t.run_config or {"trainer": c.model_dump(mode="json")},
-            tracking=t.tracking, announce=t.live is None)
+            tracking=t.tracking, announce=t.live is None,
+            trackers=list(t.trackers) if not taking_over else [])
         if t.checkpointing:  # a checkpoint's steps are written before it is
             t.checkpointing.before_save = self.metrics.sync
         return self.metrics

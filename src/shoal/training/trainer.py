@@ -26,6 +26,7 @@ from shoal.data.sharding import (
 from shoal.errors import NonFiniteError, Preempted, UsageError
 from shoal.ft import ReplicaPlace
 from shoal.ft.step import StepOutcome
+from shoal.metrics.tracker import Tracker
 from shoal.parallel.pipeline_parallel import PipelineModel
 
 # layers: up to remote/, which imports nothing of training: a RemoteModule stays whole
@@ -96,13 +97,15 @@ class Trainer:
     ParallelStyle) replaces the ready tensor-parallel plan when ``parallel.tp`` > 1.
     ``callbacks``: ``shoal.Callback`` objects, or import paths as in a run config's
     ``trainer.callbacks``; their hooks run at the loop's points (see shoal.Callback).
+    ``trackers``: ``shoal.Tracker`` objects rank 0 logs the run to, beside those
+    ``metrics`` names (TensorBoard, MLflow, W&B, import paths).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  loss_fn: LossFn | None = None, step_fn: StepFn | None = None,
                  lr_scheduler: Any = None, tp_plan: dict | None = None,
                  callbacks: Sequence[Callback | str | Mapping[str, Any]] = (),
-                 **settings: Any):
+                 trackers: Sequence[Tracker] = (), **settings: Any):
         """Validate the settings, join the process group and set up model and optimizer.
 
         Raises:
@@ -170,8 +173,9 @@ class Trainer:
         self.recording = Recording(self)
         """The step metrics while fit runs."""
         self.run_config: dict | None = None  # the resolved run config, kept in checkpoints
-        # The MLflow run's id, kept in checkpoints: a resumed run logs into the same run.
+        # The trackers' run ids, kept in checkpoints: a resumed run logs into the same runs.
         self.tracking: dict[str, str] = {}
+        self.trackers = list(trackers)
         self.checkpointing = Checkpointing(
             self, c.checkpoint_dir, c.checkpoint_every, c.keep_last, c.async_checkpoint,
             c.checkpoint_every_seconds) if c.checkpoint_dir else None
