@@ -37,6 +37,7 @@ _LAZY = {
     "spawn": "shoal.launch.spawn",
     "TrainerConfig": "shoal.training.config",
     "Callback": "shoal.training.callbacks",
+    "BestCheckpoints": "shoal.training.best_checkpoints",
     "EarlyStopping": "shoal.training.early_stopping",
     "Harness": "shoal.training.harness",
     "Tracker": "shoal.metrics.tracker",
@@ -75,6 +76,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from shoal.runtime.heartbeat import heartbeat
     from shoal.runtime.info import info
     from shoal.runtime.seeds import seed_everything
+    from shoal.training.best_checkpoints import BestCheckpoints
     from shoal.training.callbacks import Callback
     from shoal.training.config import TrainerConfig
     from shoal.training.early_stopping import EarlyStopping

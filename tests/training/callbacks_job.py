@@ -6,8 +6,9 @@
 The digits MLP with dropout, a validation every 4 steps and a checkpoint every 3 (resumed
 'auto'), stopped early on val_loss (patience 2, min_delta 0.02). ``--kill``: in the first
 attempt that rank SIGKILLs itself after that step. ``--observers``: also a callback on every
-hook, that logs what it saw. Rank r writes OUT/final.r<r>.pt: its weights, the step it
-stopped at, the early stopping's state, the hooks seen (this attempt's)."""
+hook, that logs what it saw, and the 2 best checkpoints by val_loss kept. Rank r writes
+OUT/final.r<r>.pt: its weights, the step it stopped at, the early stopping's state, the
+hooks seen (this attempt's), the best checkpoints."""
 
 import argparse
 import os
@@ -67,8 +68,9 @@ def main() -> None:
     stopping = shoal.EarlyStopping("val_loss", patience=2, min_delta=0.02)
     callbacks: list[shoal.Callback] = [stopping]
     seen = Seen()
+    best = shoal.BestCheckpoints("val_loss", save_top_k=2)
     if args.observers:
-        callbacks.append(seen)
+        callbacks += [seen, best]
     if args.kill:
         rank, step = map(int, args.kill.split(":"))
         callbacks.append(Killer(rank, step))
@@ -80,7 +82,8 @@ def main() -> None:
     result = trainer.fit(train, val)
     torch.save({"model": trainer.module.state_dict(), "step": trainer.global_step,
                 "result": result, "stopping": stopping.state_dict(), "seen": seen.seen,
-                "steps_seen": seen.steps, "reason": trainer.callbacks.stop_reason},
+                "steps_seen": seen.steps, "reason": trainer.callbacks.stop_reason,
+                "best": best.best},
                out / f"final.r{shoal.rank()}.pt")
 
 

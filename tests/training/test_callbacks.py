@@ -119,9 +119,10 @@ def _job(out: Path, *flags: str) -> tuple[str, list[dict]]:
 def test_early_stopping_stops_every_rank_at_one_step_also_after_a_kill(tmp_path):
     """2 processes, dropout, a validation every 4 steps: early stopping stops both ranks
     after the same step. With an observer on every hook the run ends bitwise equal (its
-    validations keep the training's random streams). Rank 1 SIGKILLed at step 50 (a
-    checkpoint every 3): the resumed run stops at the same step, with the same weights and
-    the same early stopping state, and the observer's own state (its steps) resumed."""
+    validations keep the training's random streams), and its 2 best checkpoints are kept
+    beside the last ones. Rank 1 SIGKILLed at step 50 (a checkpoint every 3): the resumed
+    run stops at the same step, with the same weights, the same early stopping state and
+    the same best checkpoints, and the observer's own state (its steps) resumed."""
     output, calm = _job(tmp_path / "calm")
     assert calm[0]["step"] == calm[1]["step"] < 8 * 23, output[-3000:]
     stopped = calm[0]["step"]
@@ -131,6 +132,7 @@ def test_early_stopping_stops_every_rank_at_one_step_also_after_a_kill(tmp_path)
     _, observed = _job(tmp_path / "observed", "--observers")
     assert states_equal(observed[0]["model"], calm[0]["model"])
     assert observed[0]["steps_seen"] == stopped
+    best = _kept_best(tmp_path / "observed", observed[0]["best"])
     output, killed = _job(tmp_path / "killed", "--observers", "--kill", "1:50")
     assert "killed by SIGKILL" in output and "resumed from" in output, output[-3000:]
     assert [k["step"] for k in killed] == [stopped, stopped]
@@ -138,11 +140,24 @@ def test_early_stopping_stops_every_rank_at_one_step_also_after_a_kill(tmp_path)
     assert killed[0]["stopping"] == calm[0]["stopping"]
     assert killed[0]["steps_seen"] == stopped  # 48 before the resume (step 48's checkpoint)
     assert killed[0]["seen"][:2] == ["on_resume", "on_fit_start"]
+    assert killed[0]["best"] == observed[0]["best"]
+    assert _kept_best(tmp_path / "killed", killed[0]["best"]) == best
     # A run that had stopped has finished: a restart trains nothing.
     output, again = _job(tmp_path / "killed", "--observers")
     assert f"the run had finished at step {stopped} (early stopping" in output
     assert again[0]["step"] == stopped
     assert again[0]["seen"] == ["on_resume", "on_fit_start", "on_fit_end"]
+
+
+def _kept_best(out: Path, best: list[tuple[float, int]]) -> list[dict]:
+    """The 2 best validations' checkpoints, named in best.json, best first, kept beside
+    the newest 3 (a checkpoint every 3 steps, a validation every 4): no other."""
+    listed = json.loads((out / "checkpoints" / "best.json").read_text())["best"]
+    assert [(entry["val_loss"], entry["step"]) for entry in listed] == best and len(best) == 2
+    assert best[0][0] <= best[1][0]
+    kept = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert set(kept) == set(kept[-3:]) | {entry["path"] for entry in listed}, kept
+    return listed
 
 
 def test_a_run_config_names_callbacks_by_import_path(tmp_path):

@@ -56,7 +56,8 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 class CheckpointStore:
-    """Save and find checkpoints under ``root``; keeps the newest ``keep_last``."""
+    """Save and find checkpoints under ``root``; keeps the newest ``keep_last`` (and the
+    steps in ``kept``)."""
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 3, async_save: bool = False,
                  writer: str = ""):
@@ -72,6 +73,8 @@ class CheckpointStore:
         self._pending: tuple[Any, Path, dict] | None = None  # (future, partial dir, record)
         self._stager: DefaultStager | None = None
         self._cpu_group: dist.ProcessGroup | None = None
+        self.kept: set[int] = set()
+        """Steps kept beside the newest ``keep_last`` (the best ones, ``BestCheckpoints``)."""
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:09d}"
@@ -195,7 +198,8 @@ class CheckpointStore:
     def _prune(self) -> None:
         committed = self._step_dirs()
         for path in committed[:-self.keep_last] if self.keep_last > 0 else []:
-            shutil.rmtree(path, ignore_errors=True)
+            if int(cast("re.Match[str]", STEP_DIR.match(path.name)).group(1)) not in self.kept:
+                shutil.rmtree(path, ignore_errors=True)
         kept = {int(cast("re.Match[str]", STEP_DIR.match(p.name)).group(1))
                 for p in self._step_dirs()}
         newest = max(kept, default=-1)

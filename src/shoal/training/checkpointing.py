@@ -93,6 +93,8 @@ class Checkpointing:
         self._requested = False  # a timed save was asked for and has not happened yet
         self.local = trainer.config.strategy in ("local_sgd", "diloco")
         self.final_step: int | None = None
+        self.asked_step: int | None = None
+        """A step a callback asked to save (``Trainer.save_checkpoint``)."""
         """The run's last step, where known: its checkpoint is written at the end of fit,
         after the final validation, so that it holds the run's final metrics (a run
         resumed from it has nothing to train and returns them)."""
@@ -127,7 +129,16 @@ class Checkpointing:
         replacement redoing its group's steps under 'exact'): its checkpoint is written
         only where the group before it did not complete one."""
         step = self.trainer.state.global_step
-        if not (self.every and step % self.every == 0) or step == self.final_step:
+        due = (self.every and step % self.every == 0) or step == self.asked_step
+        if not due or step == self.final_step:
+            return
+        self.save_step(saves, redone)
+
+    def save_step(self, saves: bool = True, redone: bool = False) -> None:
+        """This step's checkpoint, unless it has one already (``after_step``'s ``saves``
+        and ``redone``; collective)."""
+        step = self.trainer.state.global_step
+        if step == self.saved_step:
             return
         if not saves:
             self.save_own()

@@ -329,6 +329,7 @@ class Trainer:
                 self.callbacks.fire("on_epoch_end", self, metrics)
                 if not epoch_done:  # stopped by max_steps inside the epoch
                     break
+                self._checkpoint_asked(epochs, max_steps)
                 self.state.next_epoch()
             if self.live is not None:
                 self.live.finish(self.global_step)
@@ -354,6 +355,20 @@ class Trainer:
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
         self.callbacks.fire("on_fit_end", self, result)
         return result
+
+    def save_checkpoint(self) -> None:
+        """Ask for a checkpoint of this step (from a callback's hook: every rank asks at the
+        same step). It is written as the step's own, after the step's hooks, validation and
+        stop: right after the step, after an epoch's end, or at the end of the run. In a
+        live job the group that writes the checkpoints saves it, the others keep their own
+        part of it.
+
+        Raises:
+            UsageError: If the Trainer has no ``checkpoint_dir``.
+        """
+        if self.checkpointing is None:
+            raise UsageError("save_checkpoint needs a checkpoint_dir")
+        self.checkpointing.asked_step = self.global_step
 
     def stop(self, reason: str = "a callback asked to stop") -> None:
         """Ask the run to stop (from a callback's hook): every rank stops after the same
@@ -588,6 +603,15 @@ class Trainer:
                     self._stop_for(signum)
             if self.recording.clock:
                 self.recording.clock.skip()  # a save's time is the next step's 'other'
+
+    def _checkpoint_asked(self, epochs: int | None, max_steps: int | None) -> None:
+        """After an epoch's end (its validation and hooks): the checkpoint of its last step,
+        where a callback asked for one then (``save_checkpoint``) and the run goes on (at
+        its end, the final save is it)."""
+        c = self.checkpointing
+        if c is not None and c.asked_step == self.global_step and \
+                not self._finished(epochs, max_steps, self.epoch + 1):
+            c.save_step(self._saves, redone=self.live is not None and self.live.redone)
 
     def _stop_for(self, signum: int, waited: bool = False) -> NoReturn:
         """Every rank of the group is here at the same step: save, then exit with 128 +
