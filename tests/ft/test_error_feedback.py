@@ -135,3 +135,25 @@ def test_a_group_killed_in_its_final_save_resumes_from_the_finished_run(runs):
         output[-6000:]
     reference, _ = runs.wait("whole-topk")
     assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))
+
+
+def test_a_replacement_whose_first_backward_is_the_first_compressed_step(runs):
+    """powersgd with a warm-up of 10 steps, the hand-over at step 10: group 1, SIGKILLed in
+    step 14, heals from the hand-over at step 10, and its first backward is step 11, the
+    first compressed one, which draws the random Q matrices in the order of a bucket's
+    parameters. DDP's first backward in a process has a cut of its own (the parameters in
+    their order, not the order their gradients become ready), so the replacement settles its
+    buckets first: both groups end bitwise equal to the run without failures (before, the
+    replacement drew other Qs, its error feedback went on from them, and the run ended with
+    other weights)."""
+    job = '--compression {"name":"powersgd","warmup_steps":10} --share 1'
+    runs.start("whole-powersgd-10", "--replica-groups", "2", "--ft-policy", "available",
+               job=job)
+    runs.start("killed-powersgd-10", "--replica-groups", "2", "--max-restarts", "1",
+               job=f"{job} --kill 1:13")
+    live, output = runs.wait("killed-powersgd-10")
+    assert pids(live) == replaced_once(1), output[-6000:]
+    assert "replica group 1: redoes steps 11 to 13 alone while the other groups wait" \
+        in output, output[-6000:]
+    reference, _ = runs.wait("whole-powersgd-10")
+    assert all(same_end(final(live, group), final(reference, group)) for group in (0, 1))

@@ -15,6 +15,9 @@ from tests.helpers import FORKED_FIRST, run_shoal, states_equal
 
 OPTIONS = {
     "powersgd": {"compression": {"name": "powersgd", "warmup_steps": 2}},
+    # The resume's first backward is the first compressed step (step 9): it draws the random
+    # Qs, in the order of DDP's settled buckets as the run without the kill did.
+    "powersgd-from-the-resume": {"compression": {"name": "powersgd", "warmup_steps": 8}},
     "topk": {"compression": {"name": "topk", "ratio": 0.1}},
     "local_sgd": {"strategy": "local_sgd", "local_sgd": {"period": 3}},
     "diloco": {"strategy": "diloco", "diloco": {"period": 3, "outer_dtype": "bf16"}},

@@ -10,6 +10,13 @@ where the product is a matrix-vector one), and the run would drift from the one 
 continues. Here every product is taken on a tensor allocated for it (aligned alike whatever
 the cut), and the state is kept by parameter name; the steps, the collectives (three
 all-reduces per bucket) and the random start of the Q matrices are torch's.
+
+That random start does follow the cut: a bucket's Qs are drawn, in the order of its
+parameters, at the first compressed step. A run draws them after its first step (the
+warm-up is at least two steps), with the cut DDP settles on; a process whose first
+backward is that step (one that resumes or heals at the end of the warm-up) would draw
+them with its first cut, in another order, and the run would go on from other Qs. Such a
+process settles DDP's buckets first (``draws_due``, ``shoal.training.settling``).
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class PowerSGDHook:
         self.errors: dict[str, torch.Tensor] = {}  # what was not sent, by parameter
         self.qs: dict[str, torch.Tensor] = {}  # the warm-start Q of each compressed one
         self._held: list[tuple[dist.GradBucket, torch.futures.Future]] = []
+        self.settled = False
+        """This process's DDP has been through a backward: its buckets are cut for good."""
 
     @staticmethod
     def hook(self, bucket):  # no annotations: DDP checks them literally
@@ -55,6 +64,7 @@ class PowerSGDHook:
         future = torch.futures.Future()
         self._held.append((bucket, future))
         if bucket.is_last():
+            self.settled = True  # (the next forward cuts the buckets for good)
             held, self._held = self._held, []
             self.traffic.launched()
             for bucket, future in held:
@@ -64,6 +74,14 @@ class PowerSGDHook:
                     future.set_exception(exc)
             self.traffic.done()
         return future
+
+    @property
+    def draws_due(self) -> bool:
+        """The next backward draws the random Qs (the first compressed step) and would do
+        so with DDP's first cut of the buckets: settle them first (see the module's
+        docstring)."""
+        s = self.state
+        return not self.settled and s.iter >= s.start_powerSGD_iter and not self.qs
 
     def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
         if self.world > 1:  # one process (a live replica group of one): nothing to sum

@@ -9,7 +9,9 @@ its first step, or its sums differ in the last bits from the run it continues. I
 them with one forward and backward of the step's first micro-batch that changes nothing:
 its gradients, the module's buffers (BatchNorm's statistics), the random streams, the
 compression's state (error feedback) and the step's traffic are put back as they were. (A
-sum of two is the same in any order: a DDP group of two ranks is not settled. A forward of
+sum of two is the same in any order: a DDP group of two ranks is not settled, unless its
+next backward is powersgd's first compressed step, whose random Qs are drawn in the order
+of the bucket's parameters: ``PowerSGDHook.draws_due``. A forward of
 the user's that records what it sees can tell the settling pass by ``settling()``.)
 Across live groups (``shoal.ft.across``) the settling backward crosses no group (under
 topk none is needed: its selections follow the parameters' order); elsewhere every rank of
@@ -27,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shoal.checkpoint import rng
 from shoal.ft.across import AcrossGroups, TopKAcrossGroups
 from shoal.ft.step import copied
+from shoal.parallel.powersgd import PowerSGDHook
 from shoal.training.batches import loss_of
 
 Trainer = Any  # a shoal.Trainer (not imported: its module imports this one)
@@ -60,7 +63,10 @@ def settle(t: Trainer, batch: Any) -> None:
     h, model = t.harness, t.model
     comm = h.comm
     across = isinstance(comm, AcrossGroups)
-    if not (comm.settle_due if across else h.settle_due):
+    # (under powersgd also a process whose first backward draws the random Qs, whatever
+    # its ranks: they are drawn in the order of a bucket's parameters)
+    if not (comm.settle_due if across
+            else h.settle_due or (isinstance(comm, PowerSGDHook) and comm.draws_due)):
         return
     buffers = [b.clone() for b in model.buffers()]
     streams = rng.capture()
