@@ -34,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_launch_arguments(parser)
     add_fetch_arguments(parser)
     add_dashboard_arguments(parser)
+    parser.add_argument("--profile-steps", metavar="FIRST-LAST", default=None,
+                        help="profile these steps on every rank with torch.profiler: a "
+                        "Chrome trace per rank in the run directory's profile/ (the same as "
+                        "trainer.profile_steps=FIRST-LAST)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="override config values; the value is read as YAML")
     parser.set_defaults(handler=train_command, command="train")
@@ -43,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def train_command(args: argparse.Namespace) -> int:
     from shoal.config.loader import load_run_config
 
+    if args.profile_steps is not None:
+        args.overrides = [*args.overrides, f"trainer.profile_steps={args.profile_steps}"]
     config = load_run_config(args.config, args.overrides)
     return launch_run(args, config, args.config, args.overrides)
 

@@ -26,7 +26,7 @@ step loss) stops that group's ranks only, and the others go on without it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -46,6 +46,10 @@ class Callback:
 
     Never raises. What a hook raises ends the run as an error of the loop would (after
     ``on_exception``)."""
+
+    stops: ClassVar[bool] = True
+    """It may ask the run to stop (``trainer.stop``). A callback that never does may say
+    False: where none may, the ranks do not agree on a stop at each step's end."""
 
     def on_fit_start(self, trainer: Trainer) -> None:
         """Before the first step (after a resume: from its step)."""
@@ -107,6 +111,7 @@ class Callbacks:
         # the hooks some callback overrides, read once (the loop asks each step)
         self._overridden = frozenset(hook for hook in HOOKS for c in self.callbacks
                                      if getattr(type(c), hook) is not getattr(Callback, hook))
+        self._stoppers = any(c.stops for c in self.callbacks)
         self.stop_reason: str | None = None
         """Why the run stops (``Trainer.stop``), once every rank agreed; or why it had."""
         self._asked: str | None = None  # this rank's request, not yet agreed
@@ -126,11 +131,11 @@ class Callbacks:
         self._asked = self._asked or reason
 
     def stop_agreed(self, device: torch.device) -> bool:
-        """Whether any rank asked to stop (collective where callbacks are given: every rank
+        """Whether any rank asked to stop (collective where a callback may stop: every rank
         of the process group calls it at the same point)."""
         if self.stop_reason is not None:
             return True
-        if not self.callbacks:
+        if not self._stoppers:
             return False
         asked = self._asked is not None
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:

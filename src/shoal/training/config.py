@@ -29,6 +29,29 @@ from shoal.parallel.topology import ParallelDims
 
 Precision = Literal["32", "bf16-mixed", "fp16-mixed"]
 
+def parse_window(value: object) -> tuple[int, int] | None:
+    """``'20-25'``, ``[20, 25]`` or a single step ``20`` as (first, last).
+
+    Raises:
+        ValueError: If it is none of those, or first is under 1 or after last.
+    """
+    if value is None:
+        return None
+    if isinstance(value, int):
+        first = last = value
+    elif isinstance(value, str) and value.replace("-", "", 1).isdigit():
+        head, _, rest = value.partition("-")
+        first, last = int(head), int(rest or head)
+    elif isinstance(value, (list, tuple)) and len(value) == 2:
+        first, last = int(value[0]), int(value[1])
+    else:
+        raise ValueError(f"{value!r}: give the steps as FIRST-LAST, e.g. 20-25")
+    if not 1 <= first <= last:
+        raise ValueError(f"{value!r}: the first step must be at least 1 and not after the "
+                         "last")
+    return first, last
+
+
 class TrainerConfig(BaseModel):
     """Settings of ``shoal.Trainer`` and the ``trainer:`` section of a run config.
 
@@ -97,6 +120,18 @@ class TrainerConfig(BaseModel):
     """Callbacks by import path ('module:Class', searched beside the run config as builders
     are) or as ``{builder, args}``; a Trainer built in code takes objects too (see
     shoal.Callback)."""
+    profile_steps: tuple[int, int] | None = None
+    """Profile these steps on every rank with torch.profiler, given as FIRST-LAST ('20-25')
+    or one step: a Chrome trace per rank (``rank<r>.pt.trace.json``) in ``profile_dir``."""
+    profile_dir: str | None = None
+    """Where the profiler's traces go; default: the metrics directory's profile/ (shoal
+    train: the run directory's), else ./profile."""
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _window(cls, value: object) -> object:
+        return parse_window(value)
+
     seed: int = 0
     """Seed of the data order (same on every rank) and of each rank's RNGs (seed + rank)."""
     num_workers: int = Field(0, ge=0)

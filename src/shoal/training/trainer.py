@@ -59,6 +59,7 @@ from shoal.training.live import (
 )
 from shoal.training.preemption import PreemptionWatch
 from shoal.training.preemption import exit_code as preemption_exit_code
+from shoal.training.profiling import StepProfiler
 from shoal.training.progress import Progress
 from shoal.training.recording import Recording
 from shoal.training.settling import settle
@@ -162,7 +163,7 @@ class Trainer:
         # What a step changes: what checkpoints save and a replacement group heals from.
         self.state = TrainState(self.harness, self.state_model, self.optimizer, lr_scheduler,
                                 c.accumulate_grad_batches)
-        self.callbacks = Callbacks(build_callbacks(callbacks))
+        self.callbacks = Callbacks(build_callbacks(callbacks) + self._own_callbacks())
         self.state.callbacks = self.callbacks  # (their states travel with the run's)
         self._val_data: Dataset | DataLoader | None = None  # fit's, for val_every_steps
         self._epoch_started: int | None = None  # the epoch on_epoch_start was called for
@@ -355,6 +356,14 @@ class Trainer:
             self.checkpointing.store.wait()  # an asynchronous save is committed before return
         self.callbacks.fire("on_fit_end", self, result)
         return result
+
+    def _own_callbacks(self) -> list[Callback]:
+        """shoal's own mechanisms that plug in at the hooks (after the user's)."""
+        c = self.config
+        if c.profile_steps is None:
+            return []
+        directory = c.profile_dir or str(Path(c.metrics.dir or ".") / "profile")
+        return [StepProfiler(*c.profile_steps, directory)]
 
     def save_checkpoint(self) -> None:
         """Ask for a checkpoint of this step (from a callback's hook: every rank asks at the
