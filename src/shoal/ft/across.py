@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from shoal.parallel.comm import Comm
 from shoal.parallel.compression import CompressionConfig
 from shoal.parallel.topk import TopKHook
 from shoal.parallel.traffic import Traffic, all_gather_bytes, all_reduce_bytes
@@ -80,7 +81,7 @@ class Carried:
         return self.rows.sum(0).tolist()  # (exact in float32: see the class's docstring)
 
 
-class AcrossGroups:
+class AcrossGroups(Comm):
     """State and hook: ``model.register_comm_hook(state, AcrossGroups.hook)``. The live
     session gives it ``replica`` when it opens; before (no session: nothing to cross),
     buckets stay as they are, as DDP over one process leaves them."""

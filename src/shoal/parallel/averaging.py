@@ -20,6 +20,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from shoal.parallel.comm import Comm
 from shoal.parallel.traffic import Traffic, all_reduce_bytes
 
 
@@ -65,7 +66,7 @@ def _unflatten_into(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
         offset += p.numel()
 
 
-class _Periodic:
+class _Periodic(Comm):
     """Counts optimizer steps and meets every ``period``."""
 
     def __init__(self, model: nn.Module, period: int, traffic: Traffic,

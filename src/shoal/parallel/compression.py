@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from shoal.parallel.comm import Comm
 from shoal.parallel.powersgd import PowerSGDHook
 from shoal.parallel.topk import TopKHook
 from shoal.parallel.traffic import Traffic, all_reduce_bytes
@@ -44,17 +45,7 @@ class CompressionConfig(BaseModel):
         return {"name": value} if isinstance(value, str) else value
 
 
-class _Stateless:
-    """Nothing to checkpoint."""
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-class _Uncompressed(_Stateless):
+class _Uncompressed(Comm):
     """No hook: DDP's own all-reduce in C++, the fastest. Counted from outside instead: the
     bytes are every gradient's; on the CPU the wait is from the last gradient computed (a
     post-accumulate hook on each parameter) to the end of backward, which DDP spends waiting
@@ -81,7 +72,7 @@ class _Uncompressed(_Stateless):
             self.traffic.done()
 
 
-class _Counted(_Stateless):
+class _Counted(Comm):
     """torch's half-precision hooks (fp16, bf16), with their bytes and wait counted."""
 
     def __init__(self, name: str, traffic: Traffic, group: dist.ProcessGroup | None):

@@ -22,6 +22,7 @@ from torch import nn
 
 from shoal.errors import UsageError
 from shoal.parallel.blocks import find_blocks
+from shoal.parallel.comm import Comm
 from shoal.parallel.traffic import Traffic, all_gather_bytes
 
 # FSDP and DTensor are imported where they are used: a run's configuration reads FSDPConfig
@@ -120,7 +121,7 @@ def local_numel(model: nn.Module) -> int:
                for p in model.parameters())
 
 
-class FSDPTraffic:
+class FSDPTraffic(Comm):
     """What a rank sends under FSDP, counted from the parameter sizes in the ring model of
     ``shoal.parallel.traffic`` (FSDP issues its collectives itself; their wait is not
     timed): per backward, one all-gather of the parameters for forward and, under 'fsdp',

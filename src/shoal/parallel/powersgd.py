@@ -34,10 +34,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     _should_compress,
 )
 
+from shoal.parallel.comm import Comm
 from shoal.parallel.traffic import Traffic, all_reduce_bytes
 
 
-class PowerSGDHook:
+class PowerSGDHook(Comm):
     """State and hook: ``model.register_comm_hook(state, PowerSGDHook.hook)``."""
 
     def __init__(self, model: nn.Module, rank: int, warmup_steps: int, traffic: Traffic,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shoal.parallel.comm import Comm
 from shoal.parallel.traffic import Traffic, all_gather_bytes
 from shoal.runtime.collectives import gather_into_tensor
 
@@ -52,7 +53,7 @@ def _read_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype)
 
 
-class TopKHook:
+class TopKHook(Comm):
     """State and hook: ``model.register_comm_hook(state, TopKHook.hook)``."""
 
     def __init__(self, model: nn.Module, ratio: float, traffic: Traffic,

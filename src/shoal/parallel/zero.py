@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.errors import UsageError
+from shoal.parallel.comm import Comm
 from shoal.parallel.compression import CompressionConfig, apply_compression
 from shoal.parallel.ddp import DDPConfig, apply_ddp
 from shoal.parallel.traffic import Traffic, all_gather_bytes
@@ -54,7 +55,7 @@ def apply_zero1(model: nn.Module, optimizer: torch.optim.Optimizer,
     return model, zero
 
 
-class ZeroTraffic:
+class ZeroTraffic(Comm):
     """What a rank sends under zero1: DDP's gradient all-reduce (counted as under 'ddp'),
     then, after each step, ZeRO's broadcast of every rank's updated share of the weights
     (an all-gather in bytes; counted from the sizes, not timed)."""

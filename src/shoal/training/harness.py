@@ -39,6 +39,7 @@ from shoal.parallel.averaging import (
     apply_local_sgd,
 )
 from shoal.parallel.blocks import find_blocks
+from shoal.parallel.comm import Comm
 from shoal.parallel.compile import apply_compile
 from shoal.parallel.compression import CompressionConfig, apply_compression
 from shoal.parallel.ddp import DDPConfig, apply_ddp
@@ -133,9 +134,8 @@ class Harness:
         self.device = rt.device()
         self.precision = Precision(config.precision, self.device, sharded=self.sharded)
         self.traffic = Traffic()
-        # the compression hook's or the weight averaging's state: used by what it has
-        # (after_backward, after_step, synchronize, syncing), hence Any
-        self.comm: Any = None
+        self.comm: Comm = Comm()
+        """The strategy's communication (``shoal.parallel.comm.Comm``)."""
         self.last_comm = StepComm(0.0, 0.0, 0.0)  # what the last step sent and waited for
         self.last_grad_norm: torch.Tensor | None = None
         # Live recovery: (count, index) of the replica groups whose data this job splits.
@@ -337,9 +337,8 @@ class Harness:
             RuntimeError: If the weight exchange fails (a peer died, or the group's timeout
                 passed).
         """
-        if hasattr(self.comm, "synchronize"):
-            self.comm.synchronize()
-            self.traffic.end_step(step=False)
+        self.comm.synchronize()
+        self.traffic.end_step(step=False)  # (outside any step; nothing where none was sent)
 
     @property
     def comm_kind(self) -> str:
@@ -352,12 +351,11 @@ class Harness:
 
         Never raises.
         """
-        state = self.comm.state_dict() if self.comm is not None else {}
+        state = self.comm.state_dict()
         return {"kind": self.comm_kind, "state": state}
 
     def load_comm_state_dict(self, state: dict) -> None:
-        if self.comm is not None:
-            self.comm.load_state_dict(state)
+        self.comm.load_state_dict(state)
 
     def setup_dataloader(self, data: Dataset | DataLoader, batch_size: int = 32, *,
                          shuffle: bool = True, evaluation: bool = False,
@@ -432,8 +430,7 @@ class Harness:
         """
         with self.autocast():
             loss = pipeline.step(inputs, targets, scale)
-        if hasattr(self.comm, "after_backward"):  # dp traffic, as one backward
-            self.comm.after_backward()
+        self.comm.after_backward()  # (dp traffic, as one backward)
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -444,8 +441,7 @@ class Harness:
                 fails (a peer died, or the group's timeout passed).
         """
         self.precision.backward(loss)
-        if hasattr(self.comm, "after_backward"):
-            self.comm.after_backward()
+        self.comm.after_backward()
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
@@ -460,16 +456,16 @@ class Harness:
                 yield
         elif enabled and isinstance(model, FSDPModule):
             # No reduce-scatter: each rank keeps its whole unsharded gradients meanwhile.
-            counted = isinstance(self.comm, FSDPTraffic)
+            counted = self.comm if isinstance(self.comm, FSDPTraffic) else None
             model.set_requires_gradient_sync(False)
-            if counted:
-                self.comm.syncing = False
+            if counted is not None:
+                counted.syncing = False
             try:
                 yield
             finally:
                 model.set_requires_gradient_sync(True)
-                if counted:
-                    self.comm.syncing = True
+                if counted is not None:
+                    counted.syncing = True
         else:
             yield
 
@@ -512,7 +508,6 @@ class Harness:
             return False
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        if hasattr(self.comm, "after_step"):  # local_sgd / diloco meet every few steps
-            self.comm.after_step()
+        self.comm.after_step()  # (local_sgd / diloco meet every few steps)
         self.last_comm = self.traffic.end_step()
         return True
