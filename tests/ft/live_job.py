@@ -23,7 +23,9 @@ replacement of group G, rank R's first fetch of a live group's state fails (an e
 torchft's transport), while its other ranks' go through. ``--no-commit G:S``: group G takes
 its vote on step S as no, once, while the others commit it. ``--step-sleep S``: after each
 step every group writes its step to OUT/step.g<group> and sleeps S seconds (the test acts
-on a job under way). ``--kill-after G:S``: group G's rank 0 SIGKILLs itself after step S,
+on a job under way). ``--observers``: a callback on every hook that only
+looks, and a profiler window over steps 2 and 3. ``--kill-after G:S``: group G's rank 0
+SIGKILLs itself after step S,
 before its checkpoint (once group 0's checkpoint of the step is whole), once.
 ``--quorum-every S``, ``--share F``: the Trainer's own ``fault_tolerance.quorum_every_s``,
 ``compression_state_share``. Beside the final state,
@@ -61,6 +63,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("steps", type=int)
 parser.add_argument("--kill", action="append", default=[])
+parser.add_argument("--observers", action="store_true",
+                    help="callbacks on every hook that only look, and a profiler window")
 parser.add_argument("--kill-after", default=None,
                     help="G:S: group G's rank 0 SIGKILLs itself after step S, once")
 parser.add_argument("--stall", default=None,
@@ -134,9 +138,29 @@ if args.kill_after:
                     time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
     callbacks.append(KillAfter())
+if args.observers:
+    from shoal.training.callbacks import HOOKS
+
+    class Looks(shoal.Callback):
+        """On every hook, only looks (its count travels in checkpoints and heals)."""
+
+        def __init__(self):
+            self.calls = 0
+
+        def state_dict(self):
+            return {"calls": self.calls}
+
+        def load_state_dict(self, state):
+            self.calls = state["calls"]
+
+    for _hook in HOOKS:
+        setattr(Looks, _hook, lambda self, *_: setattr(self, "calls", self.calls + 1))
+    callbacks.append(Looks())
 trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch_size=16,
                         progress=False, max_steps=args.steps, strategy=args.strategy,
                         callbacks=callbacks,
+                        **({"profile_steps": (2, 3), "profile_dir": str(out / "profile")}
+                           if args.observers else {}),
                         compression=json.loads(args.compression)
                         if args.compression.startswith("{") else args.compression,
                         **({args.strategy: {"period": args.period}} if args.period else {}),

@@ -101,10 +101,11 @@ def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
     bitwise equal to today's 2-process DDP run without failures. (Before, the new
     lighthouse's first quorum had the id of the old one's that the survivor held: the
     survivor kept its closed process group, failed the step again, and the replacement
-    waited about 50 s to connect to it, then failed its first step too.)"""
+    waited about 50 s to connect to it, then failed its first step too.) Observers on
+    every hook and a profiler window change nothing of it."""
     live = tmp_path / "live"
     process = _shoal_run(live, "--replica-groups", "2", "--max-restarts", "1",
-                         job=("--hold", "3", "--kill", "1:6"))
+                         job=("--hold", "3", "--kill", "1:6", "--observers"))
     first = process.stdout.readline().decode()
     lighthouse = int(re.search(r"\(pid (\d+)\)", first).group(1))
     deadline = time.monotonic() + 200
@@ -132,6 +133,8 @@ def test_exact_killed_group_heals_and_run_equals_ddp(tmp_path, ddp_run):
     assert "[group0 rank0]: " in output and not re.search(r"^\[rank0\]: ", output, re.M)
     assert all(final(live, group)["step"] == STEPS for group in (0, 1))
     assert _equals_ddp(live, ddp_run())
+    assert sorted(p.name for p in (live / "profile").iterdir()) == [
+        "group0-rank0.pt.trace.json", "group1-rank0.pt.trace.json"]
     # The replacement took the survivor's loss sums with its state: the epoch's figure
     # is DDP's in both groups.
     assert figures(live, 0)["train_loss"] == figures(live, 1)["train_loss"] \

@@ -1,7 +1,7 @@
 """A job for the callback tests, run under `shoal run` (never collected by pytest).
 
     python -m shoal run --nproc-per-node W [--max-restarts 1] \\
-        tests/training/callbacks_job.py OUT [--kill RANK:STEP] [--observers]
+        tests/training/callbacks_job.py OUT [--kill RANK:STEP] [--observers] [--strategy S]
 
 The digits MLP with dropout, a validation every 4 steps and a checkpoint every 3 (resumed
 'auto'), stopped early on val_loss (patience 2, min_delta 0.02). ``--kill``: in the first
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import shoal
 from shoal.examples.digits import build_data
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--kill", default=None)
     parser.add_argument("--observers", action="store_true")
+    parser.add_argument("--strategy", default="ddp")
     args = parser.parse_args()
     out = Path(args.out)
     shoal.init("gloo")
@@ -77,10 +79,12 @@ def main() -> None:
     trainer = shoal.Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                             batch_size=32, epochs=8, seed=0, progress=False,
                             val_every_steps=4, checkpoint_dir=str(out / "checkpoints"),
-                            checkpoint_every=3, resume="auto", callbacks=callbacks)
+                            checkpoint_every=3, resume="auto", callbacks=callbacks,
+                            strategy=args.strategy)
     train, val = build_data(val_fraction=0.2, seed=0)
     result = trainer.fit(train, val)
-    torch.save({"model": trainer.module.state_dict(), "step": trainer.global_step,
+    weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    torch.save({"model": weights, "step": trainer.global_step,
                 "result": result, "stopping": stopping.state_dict(), "seen": seen.seen,
                 "steps_seen": seen.steps, "reason": trainer.callbacks.stop_reason,
                 "best": best.best},

@@ -149,6 +149,17 @@ def test_early_stopping_stops_every_rank_at_one_step_also_after_a_kill(tmp_path)
     assert again[0]["seen"] == ["on_resume", "on_fit_start", "on_fit_end"]
 
 
+@pytest.mark.timeout(TIMEOUT * 2)
+def test_observers_change_nothing_under_fsdp(tmp_path):
+    """The same job under fsdp (ZeRO-3: sharded parameters): with the observers and the best
+    checkpoints it stops at the same step with the same weights as without them."""
+    _, calm = _job(tmp_path / "calm", "--strategy", "fsdp")
+    _, observed = _job(tmp_path / "observed", "--strategy", "fsdp", "--observers")
+    assert observed[0]["step"] == calm[0]["step"]
+    assert all(states_equal(observed[r]["model"], calm[r]["model"]) for r in (0, 1))
+    _kept_best(tmp_path / "observed", observed[0]["best"])
+
+
 def _kept_best(out: Path, best: list[tuple[float, int]]) -> list[dict]:
     """The 2 best validations' checkpoints, named in best.json, best first, kept beside
     the newest 3 (a checkpoint every 3 steps, a validation every 4): no other."""
