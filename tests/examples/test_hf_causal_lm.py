@@ -1,6 +1,7 @@
 """examples/hf_causal_lm.yaml: a transformers model named in a run config trains under
-`shoal train` on 2 processes; a model class or config argument that does not exist, or a
-missing transformers, is one line and exit 2 before anything starts."""
+`shoal train` on 2 processes and exports as a save_pretrained directory; a model class or
+config argument that does not exist, or a missing transformers, is one line and exit 2
+before anything starts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.cli.test_bad_input import _assert_one_line_error
 from tests.helpers import run_shoal, run_shoal_in_process
@@ -23,7 +25,8 @@ def test_example_trains_on_two_processes(tmp_path):
     out = run_shoal("train", "--config", EXAMPLE, "--nproc-per-node", "2", TINY,
                     "trainer.max_steps=3", "trainer.batch_size=8",
                     "data.args.seq_len=32", "data.args.max_bytes=100000",
-                    f"run.dir={tmp_path}", timeout=150)
+                    f"run.dir={tmp_path}", f"trainer.checkpoint_dir={tmp_path}/checkpoints",
+                    timeout=150)
     assert out.returncode == 0, out.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["global_step"] == 3 and math.isfinite(metrics["val_loss"])
@@ -31,6 +34,19 @@ def test_example_trains_on_two_processes(tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("tokens_per_s", 0) > 0 for r in steps if r["type"] == "step")
     assert "val_loss" in out.stdout and "tokens/s" in out.stdout  # what the run reports
+    # Out of shoal: the final checkpoint as a save_pretrained directory that transformers
+    # loads alone, with the trained weights to the bit.
+    from transformers import GPT2LMHeadModel
+
+    from shoal.checkpoint.export import checkpoint_of, read_weights
+
+    exported = run_shoal_in_process("export", str(tmp_path / "checkpoints"),
+                                    str(tmp_path / "hf"), "--format", "hf")
+    assert exported.returncode == 0, exported.stderr
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).state_dict()
+    trained = read_weights(checkpoint_of(tmp_path / "checkpoints"))
+    assert trained.keys() <= loaded.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in trained.items())
 
 
 @pytest.mark.parametrize("override, needles", [

@@ -16,7 +16,7 @@ import shoal
 from shoal.checkpoint import CheckpointStore
 from shoal.examples import gpt
 from shoal.parallel.zero import gather_optimizer_state, is_zero
-from tests.helpers import max_rel_diff, states_equal
+from tests.helpers import max_rel_diff, run_shoal_in_process, states_equal
 from tests.parallel.test_sharded import (
     CLIP,
     NO_GRADIENT,
@@ -108,7 +108,7 @@ def runs(tmp_path_factory) -> dict:
     ddp_w1 = shoal.spawn(_save_at_one, nprocs=1, args=(root,))[0]
     two = shoal.spawn(_two_processes, nprocs=2, args=(root,))
     one = shoal.spawn(_one_process, nprocs=1, args=(root,))[0]
-    return {"ddp_w1": ddp_w1, "two": two, "one": one}
+    return {"ddp_w1": ddp_w1, "two": two, "one": one, "root": Path(root)}
 
 
 def _continues_like_one_process(result: dict, label: str) -> None:
@@ -185,3 +185,31 @@ def test_checkpoint_numbered_by_an_older_shoal_still_loads(single_process, tmp_p
     resumed.fit(make_dataset(), max_steps=2)  # loads; nothing left to do
     assert states_equal(resumed.optimizer.state_dict(), old.optimizer.state_dict())
     assert states_equal(resumed.module.state_dict(), old.module.state_dict())
+
+
+@pytest.mark.parametrize("saver", ["ddp_w1", "fsdp", "zero1", "pp", "tp_from_ddp"])
+@pytest.mark.parametrize("format", ["safetensors", "torch"])
+def test_any_strategys_checkpoint_exports_to_one_file_of_the_trained_weights(
+        runs, saver, format, tmp_path):
+    """`shoal export` of each strategy's checkpoint (fsdp and tp: sharded tensors; pp: each
+    stage's part), in one process: the whole model, keyed as its state_dict, bitwise the
+    weights the run held; loaded by safetensors or torch alone."""
+    out = tmp_path / f"model.{format}"
+    result = run_shoal_in_process("export", str(runs["root"] / saver), str(out),
+                                  "--format", format)
+    assert result.returncode == 0, result.stderr
+    if format == "safetensors":
+        from safetensors.torch import load_file
+
+        exported = load_file(str(out))
+    else:
+        exported = torch.load(out, weights_only=True)
+    if saver == "ddp_w1":
+        trained = runs["ddp_w1"]["model"]
+    elif saver == "pp":  # each stage's part, under the whole model's names
+        trained = {k: v for r in runs["two"] for k, v in r["pp_saved"]["model"].items()}
+    elif saver == "tp_from_ddp":
+        trained = runs["two"][0]["tp_from_ddp"]["final"]
+    else:
+        trained = runs["two"][0][f"{saver}_saved"]["model"]
+    assert states_equal(exported, trained)

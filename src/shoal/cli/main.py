@@ -13,6 +13,7 @@ from shoal.cli import dashboard as dashboard_cmd
 from shoal.cli import data as data_cmd
 from shoal.cli import doctor as doctor_cmd
 from shoal.cli import env as env_cmd
+from shoal.cli import export as export_cmd
 from shoal.cli import k8s as k8s_cmd
 from shoal.cli import remote as remote_cmd
 from shoal.cli import rl as rl_cmd
@@ -37,6 +38,7 @@ def build_parser() -> tuple[Parser, dict[str, argparse.ArgumentParser]]:
     run_cmd.register(subparsers)
     train = train_cmd.register(subparsers)
     env_cmd.register(subparsers)
+    export_cmd.register(subparsers)
     doctor_cmd.register(subparsers)
     bench_cmd.register(subparsers)
     data_cmd.register(subparsers)
