@@ -163,6 +163,18 @@ class TrainerConfig(BaseModel):
     """'auto': continue from the newest complete checkpoint in checkpoint_dir, if any;
     a path: from that checkpoint (refused at once when it holds no complete checkpoint;
     new checkpoints go to checkpoint_dir, none when it is unset); unset: start afresh."""
+    init_from: str | None = None
+    """Start a new run from these weights (weights only: a new optimizer, step 0): a
+    .safetensors or torch file of the model's state_dict (``shoal export``), a Hugging Face
+    model directory, or a shoal checkpoint. A resume (``resume``) that finds a checkpoint
+    goes on from it instead."""
+
+    @field_validator("init_from")
+    @classmethod
+    def _weights_there(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).exists():
+            raise ValueError(f"{value}: no such file or directory")
+        return value
 
     @model_validator(mode="after")
     def _strategy_settings(self) -> TrainerConfig:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from shoal.checkpoint import rng
+from shoal.errors import UsageError
 from shoal.ft.across import AcrossGroups
 from shoal.ft.step import Kept
 from shoal.parallel.zero import (
@@ -257,3 +259,27 @@ def load_model_and_optimizer_state(model: torch.nn.Module, optimizer: torch.opti
         with unhooked(optimizer):
             set_state_dict(model, optimizer, model_state_dict=model_state,
                            optim_state_dict=optimizer_state)
+
+
+def load_model_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
+                       source: str) -> None:
+    """Full tensors by name (``trainer.init_from``) into ``model`` under any strategy: each
+    rank takes its shard; a pipeline stage, its own names.
+
+    Raises:
+        UsageError: If ``weights`` lacks some of the model's names, or differs in a shape;
+            the message names them.
+    """
+    own = cast("dict[str, torch.Tensor]", get_model_state_dict(model))
+    missing = [k for k in own if k not in weights]
+    if missing:
+        raise UsageError(f"init_from {source}: no weights for {', '.join(missing[:5])}"
+                         f"{' and more' if len(missing) > 5 else ''} (it has "
+                         f"{', '.join(list(weights)[:5])}{', ...' if len(weights) > 5 else ''})")
+    wrong = [k for k in own if tuple(weights[k].shape) != tuple(own[k].shape)]
+    if wrong:
+        k = wrong[0]
+        raise UsageError(f"init_from {source}: {k} has shape {tuple(weights[k].shape)}, the "
+                         f"model's is {tuple(own[k].shape)}")
+    set_model_state_dict(model, {k: weights[k] for k in own},
+                         options=StateDictOptions(full_state_dict=True))

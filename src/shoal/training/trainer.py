@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from shoal.checkpoint import rng
+from shoal.checkpoint.weights import read_state_dict
 from shoal.data.sharding import (
     agreed_batches,
     agreed_length,
@@ -63,7 +64,7 @@ from shoal.training.profiling import StepProfiler
 from shoal.training.progress import Progress
 from shoal.training.recording import Recording
 from shoal.training.settling import settle
-from shoal.training.state import TrainState
+from shoal.training.state import TrainState, load_model_weights
 
 if TYPE_CHECKING:
     from shoal.ft.session import LiveSession
@@ -165,6 +166,7 @@ class Trainer:
                                 c.accumulate_grad_batches)
         self.callbacks = Callbacks(build_callbacks(callbacks) + self._own_callbacks())
         self.state.callbacks = self.callbacks  # (their states travel with the run's)
+        self._initialized = False  # fit took init_from's weights (or needed none)
         self._val_data: Dataset | DataLoader | None = None  # fit's, for val_every_steps
         self._epoch_started: int | None = None  # the epoch on_epoch_start was called for
         self._validated: tuple[int, dict[str, float]] | None = None  # the last: step, figures
@@ -284,6 +286,9 @@ class Trainer:
                 or (epochs is not None and meta["epoch"] >= epochs)))
             if self.global_step > 0:
                 self.callbacks.fire("on_resume", self, self.global_step)
+        if c.init_from and self.global_step == 0 and not self._initialized:
+            load_model_weights(self.state_model, read_state_dict(c.init_from), c.init_from)
+        self._initialized = True  # (a second fit goes on from the first's weights)
         if self.live is not None and self.checkpointing:
             self.live.own_part = self.checkpointing.restore_own
         total = self._total_steps(loader, epochs, max_steps)
