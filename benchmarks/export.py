@@ -36,7 +36,6 @@ def main() -> None:
     parser.add_argument("--largest-mb", type=int, default=100)
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
-    import torch
     from torch import nn
 
     from shoal.checkpoint import CheckpointStore

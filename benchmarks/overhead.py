@@ -1,7 +1,9 @@
 """Overhead of shoal's Trainer over a hand-written DistributedDataParallel loop.
 
 Inside one job of ``--nproc`` processes (gloo on CPU) it alternates runs of a raw DDP loop, of
-``shoal.Trainer.fit`` (step metrics on, the default) and of the Trainer with metrics off,
+``shoal.Trainer.fit`` (step metrics on, the default), of the Trainer with metrics off and
+of the Trainer with callbacks on (early stopping, idle without validation data, and an
+observer of every step: the ranks agree on a stop at each step's end),
 ``--repeats`` times each (which one goes first rotates too). Every
 run starts from the same seeded MLP (``shoal.examples.digits``) and AdamW optimizer and trains
 ``--steps`` steps on the digits data with the Trainer's own math: DistributedSampler (shuffle,
@@ -76,11 +78,22 @@ def run_raw(data, steps: int, hidden: int, batch_size: int, stamps: list[float])
     return time.perf_counter() - start, model, optimizer
 
 
+class Observer(shoal.Callback):
+    """Looks at every step's figures."""
+
+    def __init__(self):
+        self.last = 0.0
+
+    def on_step_end(self, trainer, metrics):
+        self.last = metrics["loss"]
+
+
 def run_trainer(data, steps: int, hidden: int, batch_size: int, stamps: list[float],
-                metrics: bool = True):
+                metrics: bool = True, callbacks: bool = False):
     model, optimizer = fresh(hidden, stamps)
     trainer = shoal.Trainer(model, optimizer, batch_size=batch_size, seed=SEED, progress=False,
-                            metrics={"enabled": metrics})
+                            metrics={"enabled": metrics},
+                            callbacks=[shoal.EarlyStopping(), Observer()] if callbacks else [])
     dist.barrier()
     start = time.perf_counter()
     trainer.fit(data, max_steps=steps)
@@ -106,7 +119,8 @@ def worker(repeats: int, steps: int, hidden: int, batch_size: int) -> dict:
     shoal.init()
     data, _ = build_data()
     runners = {"raw": run_raw, "trainer": run_trainer,
-               "no_metrics": functools.partial(run_trainer, metrics=False)}
+               "no_metrics": functools.partial(run_trainer, metrics=False),
+               "callbacks": functools.partial(run_trainer, callbacks=True)}
     for name in runners:  # warm-up round, untimed: first-use costs land here
         runners[name](data, steps, hidden, batch_size, [])
     times: dict[str, list[float]] = {name: [] for name in runners}
@@ -114,7 +128,7 @@ def worker(repeats: int, steps: int, hidden: int, batch_size: int) -> dict:
     reference, diffs = None, set()
     names = list(runners)
     for r in range(repeats):
-        for name in names[r % 3:] + names[:r % 3]:  # each goes first in turn
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each first in turn
             gc.collect()  # the previous run's garbage is not collected inside this one's timing
             stamps: list[float] = []
             elapsed, model, optimizer = runners[name](data, steps, hidden, batch_size, stamps)
@@ -140,7 +154,7 @@ def main() -> None:
     results = shoal.spawn(worker, nprocs=args.nproc,
                           args=(args.repeats, args.steps, args.hidden, args.batch_size))
     # A run lasts as long as its slowest rank (the closing barrier makes them nearly equal).
-    names = ("raw", "trainer", "no_metrics")
+    names = ("raw", "trainer", "no_metrics", "callbacks")
     whole = {name: [max(res["times"][name][i] for res in results) / args.steps
                     for i in range(args.repeats)] for name in names}
     step = {name: [max(res["steps"][name][i] for res in results)
@@ -153,7 +167,8 @@ def main() -> None:
           f"repeats x {args.steps} steps (hidden {args.hidden}, batch {args.batch_size}/rank)")
     for label, name in (("raw DDP loop            ", "raw"),
                         ("shoal Trainer           ", "trainer"),
-                        ("shoal Trainer, no metrics", "no_metrics")):
+                        ("shoal Trainer, no metrics", "no_metrics"),
+                        ("shoal Trainer, callbacks", "callbacks")):
         print(f"{label}: median step {statistics.median(step[name]) * 1e3:.3f} ms, "
               f"whole run {statistics.median(whole[name]) * 1e3:.3f} ms/step")
     print(f"Trainer/raw, median step interval: {ratio(step, 'trainer', 'raw'):.3f}  "
@@ -162,6 +177,8 @@ def main() -> None:
           "(noisier; counts per-epoch work)")
     print(f"metrics on/off, median step interval: {ratio(step, 'trainer', 'no_metrics'):.3f}"
           f", whole run: {ratio(whole, 'trainer', 'no_metrics'):.3f}  (target <= 1.02)")
+    print(f"callbacks/raw, median step interval: {ratio(step, 'callbacks', 'raw'):.3f}, "
+          f"whole run: {ratio(whole, 'callbacks', 'raw'):.3f}  (target <= 1.05)")
     print(f"final weights bit-identical: {'no' if diffs else 'yes'}"
           " (weights and AdamW state, all runs, all ranks)")
     for d in diffs:
