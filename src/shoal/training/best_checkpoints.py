@@ -38,6 +38,8 @@ class BestCheckpoints(Callback):
             figures have no ``monitor``.
     """
 
+    stops = False
+
     def __init__(self, monitor: str = "val_loss", mode: Literal["min", "max"] = "min",
                  save_top_k: int = 1):
         if mode not in ("min", "max"):
