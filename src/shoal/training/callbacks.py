@@ -49,7 +49,11 @@ class Callback:
 
     stops: ClassVar[bool] = True
     """It may ask the run to stop (``trainer.stop``). A callback that never does may say
-    False: where none may, the ranks do not agree on a stop at each step's end."""
+    False: where none may, the ranks do not agree on a stop at each step's end (one
+    all-reduce of a flag a step)."""
+    stops_alike: ClassVar[bool] = False
+    """It asks to stop only from figures every rank shares (a validation's), so every rank
+    asks at the same step and none need agree (``EarlyStopping``)."""
 
     def on_fit_start(self, trainer: Trainer) -> None:
         """Before the first step (after a resume: from its step)."""
@@ -111,7 +115,8 @@ class Callbacks:
         # the hooks some callback overrides, read once (the loop asks each step)
         self._overridden = frozenset(hook for hook in HOOKS for c in self.callbacks
                                      if getattr(type(c), hook) is not getattr(Callback, hook))
-        self._stoppers = any(c.stops for c in self.callbacks)
+        # (ranks agree on a stop each step where one may ask from what it alone sees)
+        self._stoppers = any(c.stops and not c.stops_alike for c in self.callbacks)
         self.stop_reason: str | None = None
         """Why the run stops (``Trainer.stop``), once every rank agreed; or why it had."""
         self._asked: str | None = None  # this rank's request, not yet agreed
@@ -135,9 +140,11 @@ class Callbacks:
         of the process group calls it at the same point)."""
         if self.stop_reason is not None:
             return True
-        if not self._stoppers:
-            return False
         asked = self._asked is not None
+        if not self._stoppers:  # (asked alike on every rank, or never)
+            if asked:
+                self.stop_reason = self._asked
+            return asked
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             flag = torch.tensor([float(asked)], device=device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)

@@ -30,6 +30,8 @@ class EarlyStopping(Callback):
             0; at a validation, if its figures have no ``monitor``.
     """
 
+    stops_alike = True  # (from validation's figures, the same on every rank)
+
     def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0,
                  mode: Literal["min", "max"] = "min"):
         if mode not in ("min", "max"):
