@@ -23,6 +23,7 @@ CASES = {
                          12, False),
     "exact none": (Setting("exact", epochs=12), 13, True),
     "exact fp16": (Setting("exact", compression="fp16", epochs=12), 14, False),
+    "exact powersgd": (Setting("exact", compression="powersgd", epochs=12), 15, False),
     "exact topk": (Setting("exact", compression="topk", groups=3, epochs=12), 16, False),
     "exact local_sgd": (Setting("exact", strategy="local_sgd", epochs=12), 17, False),
     "exact diloco": (Setting("exact", strategy="diloco", epochs=12), 18, False),
