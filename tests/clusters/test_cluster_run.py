@@ -1,4 +1,5 @@
-"""`shoal run` and `shoal train` under a recorded SLURM environment, end to end on this machine."""
+"""`shoal run` and `shoal train` under a recorded SLURM or SkyPilot environment, end to end
+on this machine."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _slurm_task(procid: int, ntasks: int, port: int) -> dict[str, str]:
 def _clean_environ() -> dict[str, str]:
     # No launcher variables of the test's own run may leak into the recorded environment.
     drop = ("SLURM_", "OMPI_", "PMI", "PET_", "TORCHELASTIC_", "RANK", "WORLD_SIZE",
-            "LOCAL_", "GROUP_", "MASTER_", "JOB_COMPLETION_INDEX", "SHOAL_")
+            "LOCAL_", "GROUP_", "MASTER_", "JOB_COMPLETION_INDEX", "SHOAL_", "SKYPILOT_")
     return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
@@ -103,6 +104,28 @@ def test_srun_with_one_task_per_node_starts_the_workers(script, tmp_path):
     assert {rank: (got["LOCAL_RANK"], got["WORLD_SIZE"], got["sum"])
             for rank, got in seen.items()} == {0: ("0", "2", 3.0), 1: ("1", "2", 3.0)}
     assert seen[0]["MASTER_ADDR"] == "localhost"
+    assert processes_with(script.name) == []
+
+
+def test_skypilot_nodes_each_start_their_workers(script, tmp_path):
+    """SkyPilot runs the command once per node with the nodes' addresses: two 'nodes' on
+    this machine (both addresses loopback), each `shoal run --nproc-per-node 2`, make one
+    job of 4 ranks in one group, node 0's address the master."""
+    port = free_port()
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    envs = [{"SKYPILOT_NODE_RANK": str(node), "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
+             "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+             "MASTER_PORT": str(port)} for node in (0, 1)]
+    tasks, outputs = _run_tasks(["run", "--nproc-per-node", "2", str(script), str(out_dir)],
+                                envs, tmp_path)
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    seen = _results(out_dir)
+    assert {rank: (got["GROUP_RANK"], got["LOCAL_RANK"], got["WORLD_SIZE"], got["sum"])
+            for rank, got in seen.items()} == {
+        rank: (str(rank // 2), str(rank % 2), "4", 10.0) for rank in range(4)}  # (1+2+3+4)
+    assert all(got["MASTER_ADDR"] == "127.0.0.1" for got in seen.values())
+    assert "shoal: SkyPilot: 2 nodes x 2 processes, master 127.0.0.1:" in outputs[0][1], outputs
     assert processes_with(script.name) == []
 
 

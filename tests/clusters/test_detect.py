@@ -1,4 +1,5 @@
-"""Scheduler detection from recorded environments: SLURM, Open MPI, MPICH, Kubernetes, torchrun."""
+"""Scheduler detection from recorded environments: SLURM, Open MPI, MPICH, Kubernetes,
+SkyPilot, torchrun."""
 
 from __future__ import annotations
 
@@ -66,6 +67,12 @@ PYTORCHJOB_WORKER = {
 INDEXED_JOB = {
     "JOB_COMPLETION_INDEX": "1", "SHOAL_NNODES": "3", "SHOAL_MASTER_ADDR": "digits-0.digits",
     "SHOAL_MASTER_PORT": "29500", "HOSTNAME": "digits-1",
+}
+# SkyPilot, `num_nodes: 2` with `accelerators: H100:8`: what the run command sees on node 1.
+SKYPILOT_NODE_1 = {
+    "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.128.0.12\n10.128.0.13\n",
+    "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+    "SKYPILOT_TASK_ID": "sky-2026-12-02-digits", "SKYPILOT_CLUSTER_INFO": "{}",
 }
 # torchrun --nnodes 2 --nproc-per-node 4: worker 5 (node 1, local 1).
 TORCHRUN = {
@@ -196,6 +203,16 @@ def test_indexed_job():
     assert (env.master_addr, env.master_port) == ("digits-0.digits", 29500)
 
 
+def test_skypilot():
+    env = detect(SKYPILOT_NODE_1)
+    assert (env.kind, env.per_process, env.nnodes, env.node_rank) == ("skypilot", False, 2, 1)
+    assert (env.master_addr, env.master_port, env.nproc_per_node) == ("10.128.0.12", 29500, 8)
+    cpu = {**SKYPILOT_NODE_1, "SKYPILOT_NUM_GPUS_PER_NODE": "0", "MASTER_PORT": "8008"}
+    del cpu["SKYPILOT_NUM_NODES"]  # (the addresses count the nodes)
+    env = detect(cpu)
+    assert (env.nnodes, env.master_port, env.nproc_per_node) == (2, 8008, None)
+
+
 def test_torchrun_worker_wins_over_slurm():
     # A torchrun agent started by srun: its workers carry both sets of variables.
     env = detect({**SLURM_2x1, **TORCHRUN})
@@ -233,6 +250,11 @@ def test_plain_torchrun_variables():
     (INDEXED_JOB, {"JOB_COMPLETION_INDEX": "3"}, "JOB_COMPLETION_INDEX='3'"),
     (INDEXED_JOB, {"SHOAL_MASTER_PORT": "http"}, "SHOAL_MASTER_PORT='http'"),
     (TORCHRUN, {"WORLD_SIZE": "2"}, "RANK='5' must be less than WORLD_SIZE=2"),
+    (SKYPILOT_NODE_1, {"SKYPILOT_NODE_RANK": "2"}, "SKYPILOT_NODE_RANK='2'"),
+    (SKYPILOT_NODE_1, {"SKYPILOT_NUM_NODES": "3"}, "SKYPILOT_NUM_NODES=3 but SKYPILOT_NODE_IPS"),
+    (SKYPILOT_NODE_1, {"SKYPILOT_NODE_IPS": ""}, "SKYPILOT_NODE_IPS is not set"),
+    (SKYPILOT_NODE_1, {"SKYPILOT_NUM_GPUS_PER_NODE": "eight"},
+     "SKYPILOT_NUM_GPUS_PER_NODE='eight'"),
 ])
 def test_malformed_values_name_the_variable(base, change, names):
     with pytest.raises(UsageError) as caught:

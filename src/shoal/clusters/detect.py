@@ -39,7 +39,11 @@ Rules, the first that matches wins:
    (or RANK), PET_MASTER_ADDR (or MASTER_ADDR), PET_MASTER_PORT (or MASTER_PORT); kind
    "pytorchjob". An Indexed Job from `shoal k8s`: JOB_COMPLETION_INDEX (the node rank),
    SHOAL_NNODES, SHOAL_MASTER_ADDR, SHOAL_MASTER_PORT; kind "k8s-indexed-job".
-5. RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT all set: as rule 1.
+5. SkyPilot, per node (its ``run:`` runs once on every node): SKYPILOT_NODE_RANK,
+   SKYPILOT_NODE_IPS (one address a line, the head's first: the master), SKYPILOT_NUM_NODES
+   (else the count of addresses), SKYPILOT_NUM_GPUS_PER_NODE (workers per node, when more
+   than 0). Port: MASTER_PORT, else 29500. Kind "skypilot".
+6. RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT all set: as rule 1.
 
 A malformed value raises UsageError naming the variable and its value.
 """
@@ -60,7 +64,8 @@ _LOOPBACK = ("127.", "::1", "localhost")
 _PMIX_URIS = ("PMIX_SERVER_URI41", "PMIX_SERVER_URI4", "PMIX_SERVER_URI3",
               "PMIX_SERVER_URI21", "PMIX_SERVER_URI2")
 _LABELS = {"slurm": "SLURM", "openmpi": "Open MPI", "mpich": "MPICH/Hydra",
-           "pytorchjob": "PyTorchJob", "k8s-indexed-job": "Indexed Job", "torchrun": "torchrun"}
+           "pytorchjob": "PyTorchJob", "k8s-indexed-job": "Indexed Job", "torchrun": "torchrun",
+           "skypilot": "SkyPilot"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,8 @@ class ClusterEnv:
     """The job as the scheduler describes it to this process."""
 
     kind: str
-    """'slurm', 'openmpi', 'mpich', 'pytorchjob', 'k8s-indexed-job' or 'torchrun'."""
+    """'slurm', 'openmpi', 'mpich', 'pytorchjob', 'k8s-indexed-job', 'skypilot' or
+    'torchrun'."""
     per_process: bool
     """True: the scheduler started every worker (run it in place); False: one task per
     node, and shoal starts the workers."""
@@ -302,6 +308,25 @@ def _indexed_job(env: Mapping[str, str]) -> ClusterEnv:
                       node_rank=_below(env, "JOB_COMPLETION_INDEX", "SHOAL_NNODES", nnodes))
 
 
+def _skypilot(env: Mapping[str, str]) -> ClusterEnv:
+    ips = [line.strip() for line in env.get("SKYPILOT_NODE_IPS", "").splitlines()
+           if line.strip()]
+    if not ips:
+        raise UsageError("SKYPILOT_NODE_IPS is not set (SKYPILOT_NODE_RANK is): it names the "
+                         "nodes' addresses, the head's first")
+    nnodes = _int(env, "SKYPILOT_NUM_NODES", minimum=1) if "SKYPILOT_NUM_NODES" in env \
+        else len(ips)
+    if nnodes != len(ips):
+        raise UsageError(f"SKYPILOT_NUM_NODES={nnodes} but SKYPILOT_NODE_IPS names {len(ips)} "
+                         "nodes")
+    gpus = _int(env, "SKYPILOT_NUM_GPUS_PER_NODE") if "SKYPILOT_NUM_GPUS_PER_NODE" in env \
+        else 0
+    return ClusterEnv(kind="skypilot", per_process=False, master_addr=ips[0],
+                      master_port=_port(env, "MASTER_PORT", DEFAULT_PORT), nnodes=nnodes,
+                      node_rank=_below(env, "SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES", nnodes),
+                      nproc_per_node=gpus or None)
+
+
 def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
     """The scheduler's description of this job, or None on a plain machine (see the rules
     in this module's docstring)."""
@@ -318,6 +343,8 @@ def detect(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
         return _pytorchjob(env)
     if "JOB_COMPLETION_INDEX" in env and "SHOAL_NNODES" in env:
         return _indexed_job(env)
+    if "SKYPILOT_NODE_RANK" in env:
+        return _skypilot(env)
     if all(name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                     "MASTER_PORT")):
         return _torchrun(env)
