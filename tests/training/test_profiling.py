@@ -29,7 +29,8 @@ def test_a_trace_per_rank_and_the_run_unchanged(tmp_path):
     for rank in (0, 1):
         names = {e.get("name") for e in json.loads(
             (folder / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]}
-        assert {"aten::addmm", "c10d::allreduce_"} <= names
+        assert "aten::addmm" in names  # the model's kernels
+        assert any("allreduce" in (name or "") for name in names)  # the gradients' (gloo's)
     ours, theirs = (json.loads((tmp_path / run / "metrics.json").read_text())
                     for run in ("profiled", "plain"))
     assert {k: ours[k] for k in ("train_loss", "val_loss", "val_accuracy")} == \
