@@ -78,17 +78,25 @@ Named = Annotated[str | BuilderSpec, AfterValidator(_import_path_checked)]
 """A run config's entry that names an object: 'package.module:Class', or a ``BuilderSpec``."""
 
 
-def build_named(spec: str | BuilderSpec | Any, where: str) -> Any:
+def build_named(spec: str | BuilderSpec | Any, where: str, kind: type) -> Any:
     """What ``spec`` names, built: an import path ('module:Class', called without
     arguments), a ``BuilderSpec`` or mapping of one (called with its ``args``); anything
-    else is taken as it is (an object given in code)."""
+    else is taken as it is (an object given in code).
+
+    Raises:
+        UsageError: If the path names nothing (see ``import_builder``), or what it gives is
+            no ``kind`` (shoal's base class, e.g. ``shoal.Callback``).
+    """
     if isinstance(spec, str):
         spec = BuilderSpec(builder=spec)
     elif isinstance(spec, dict):
         spec = BuilderSpec(**spec)
-    if isinstance(spec, BuilderSpec):
-        return import_builder(spec.builder, where)(**spec.args)
-    return spec
+    made = import_builder(spec.builder, where)(**spec.args) \
+        if isinstance(spec, BuilderSpec) else spec
+    if not isinstance(made, kind):
+        raise UsageError(f"{where}: {type(made).__name__} is not a shoal.{kind.__name__} "
+                         "(subclass it, and override what you need)")
+    return made
 
 
 def import_builder(path: str, where: str) -> Any:

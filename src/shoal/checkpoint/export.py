@@ -10,17 +10,15 @@ plus the tensor being read.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shoal.checkpoint.layout import META, STEP_DIR, problem
-from shoal.checkpoint.store import CheckpointError, CheckpointStore
+from shoal.checkpoint.layout import STEP_DIR, problem
+from shoal.checkpoint.store import CheckpointError, CheckpointStore, read_info, tensor_targets
 from shoal.errors import UsageError
 
 Format = Literal["safetensors", "torch", "hf"]
@@ -49,7 +47,8 @@ def checkpoint_of(source: str | Path) -> Path:
 def model_keys(path: Path) -> dict[str, str]:
     """The model's parameter and buffer names in the checkpoint at ``path``, each with the
     key DCP stored it under."""
-    info = json.loads((path / META).read_text())
+    info = read_info(path)
+    assert info is not None  # (a complete checkpoint: checkpoint_of says so)
     part = _entry(info["shared"], "model") or _entry((info["ranks"] or [None])[0], "model")
     if part is None:
         raise CheckpointError(f"checkpoint {path} holds no model")
@@ -65,18 +64,14 @@ def _entry(skeleton: Any, name: str) -> Any:
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The model's full tensors, by name, read one at a time (no process group)."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    weights = {}
-    for name, key in model_keys(path).items():
-        entry = stored.get(key)
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint {path}: tensor {key!r} is missing")
-        tensor = torch.empty(entry.size, dtype=entry.properties.dtype)
+    keys = model_keys(path)
+    # (allocated now, filled one at a time: a page counts once DCP writes it)
+    targets = tensor_targets(path, list(keys.values()))
+    for key in keys.values():
         with warnings.catch_warnings():  # (DCP says it loads in one process: it does)
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load({key: tensor}, checkpoint_id=str(path), no_dist=True)
-        weights[name] = tensor
-    return weights
+            dcp.load({key: targets[key]}, checkpoint_id=str(path), no_dist=True)
+    return {name: targets[key] for name, key in keys.items()}
 
 
 def export(source: str | Path, out: str | Path, format: Format = "safetensors") -> Path:
@@ -122,7 +117,7 @@ def export(source: str | Path, out: str | Path, format: Format = "safetensors") 
 def _hf_spec(path: Path) -> Any:
     from shoal.models.hf import HFModelConfig
 
-    meta = json.loads((path / META).read_text())["meta"]
+    meta = (read_info(path) or {"meta": {}})["meta"]
     hf = ((meta.get("run_config") or {}).get("model") or {}).get("hf")
     if not hf:
         raise UsageError(f"--format hf: the run of {path} has no transformers model "

@@ -234,7 +234,7 @@ class CheckpointStore:
         found = STEP_DIR.match(path.name)
         if found is None:
             return None
-        info = _info(path)
+        info = read_info(path)
         if info is not None and info["meta"].get("group") == group:
             return _rank_part(path, info)
         own = self.own_path(int(found.group(1)), group) / f"rank{_rank()}.pt"
@@ -309,7 +309,7 @@ class CheckpointStore:
         keys = tree.tensor_keys(info["shared"])
         if own_skeleton is not None:
             keys += tree.tensor_keys(own_skeleton)
-        tensors = _targets(path, [k for k in keys if skip is None or not skip(k)], like)
+        tensors = tensor_targets(path, [k for k in keys if skip is None or not skip(k)], like)
         dcp.load(tensors, checkpoint_id=str(path))
         shared = tree.join(info["shared"], tensors)
         own = tree.join(own_skeleton, tensors) if own_skeleton is not None else None
@@ -317,7 +317,7 @@ class CheckpointStore:
                              "step": info["step"]}
 
 
-def _info(path: Path) -> dict | None:
+def read_info(path: Path) -> dict | None:
     """The checkpoint's ``shoal.json`` (None: no such complete checkpoint)."""
     try:
         return json.loads((path / META).read_text())
@@ -325,7 +325,7 @@ def _info(path: Path) -> dict | None:
         return None
 
 
-def _targets(path: Path, keys: list[str], like: dict[str, torch.Tensor] | None = None
+def tensor_targets(path: Path, keys: list[str], like: dict[str, torch.Tensor] | None = None
              ) -> dict[str, torch.Tensor]:
     """Tensors for DCP to load ``keys`` of the checkpoint at ``path`` into: ``like``'s where
     shape and dtype match, else empty ones shaped from the checkpoint's own metadata."""
@@ -351,6 +351,6 @@ def _rank_part(path: Path, info: dict) -> dict | None:
     skeleton = info["ranks"][rank] if rank < len(info["ranks"]) else None
     if skeleton is None:
         return None
-    tensors = _targets(path, tree.tensor_keys(skeleton))
+    tensors = tensor_targets(path, tree.tensor_keys(skeleton))
     dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
     return tree.join(skeleton, tensors)

@@ -102,18 +102,9 @@ def build(config: Any, given: list[Tracker] = ()) -> list[Tracker]:  # type: ign
         built.append(MLflow(config.mlflow))
     if config.wandb is not None:
         built.append(WandB(config.wandb, config.dir))
-    for i, spec in enumerate(config.trackers):
-        built.append(_checked(build_named(spec, f"trainer.metrics.trackers[{i}]"), i))
+    built += [build_named(spec, f"trainer.metrics.trackers[{i}]", Tracker)
+              for i, spec in enumerate(config.trackers)]
     return built + list(given)
-
-
-def _checked(made: Any, i: int) -> Tracker:
-    from shoal.errors import UsageError
-
-    if not isinstance(made, Tracker):
-        raise UsageError(f"trainer.metrics.trackers[{i}]: {type(made).__name__} is not a "
-                         "shoal.Tracker (subclass it, and override the methods you need)")
-    return made
 
 
 def start_all(trackers: list[Tracker], params: dict[str, Any], directory: str | None,

@@ -30,7 +30,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from shoal.errors import UsageError
 from shoal.imports import build_named
 
 Trainer = Any  # a shoal.Trainer (not imported: its module imports this one)
@@ -95,15 +94,8 @@ class Callback:
 def build_callbacks(specs: Iterable[Any]) -> list[Callback]:
     """Callbacks from objects, import paths ('module:Class') and ``{builder, args}``
     mappings (a run config's ``trainer.callbacks``, imported as builders are)."""
-    built = []
-    for i, spec in enumerate(specs):
-        where = f"trainer.callbacks[{i}]"
-        made = build_named(dict(spec) if isinstance(spec, Mapping) else spec, where)
-        if not isinstance(made, Callback):
-            raise UsageError(f"{where}: {type(made).__name__} is not a shoal.Callback "
-                             "(subclass it, and override the hooks you need)")
-        built.append(made)
-    return built
+    return [build_named(dict(spec) if isinstance(spec, Mapping) else spec,
+                        f"trainer.callbacks[{i}]", Callback) for i, spec in enumerate(specs)]
 
 
 class Callbacks:

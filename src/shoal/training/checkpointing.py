@@ -14,7 +14,6 @@ continues under 'ddp' on 1, and the reverse.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.tensor import DTensor
 
 from shoal.checkpoint import CheckpointError, CheckpointStore, rng, tree
-from shoal.checkpoint.layout import META
+from shoal.checkpoint.store import read_info
 from shoal.errors import UsageError
 from shoal.ft.config import ReplicaPlace
 from shoal.parallel.pipeline_parallel import placed_in_stage
@@ -235,8 +234,8 @@ class Checkpointing:
         t = self.trainer
 
         def whole(path: Path) -> bool:
-            return self._every_part(path) or finished(json.loads(
-                (path / META).read_text())["meta"])
+            info = read_info(path)
+            return self._every_part(path) or (info is not None and finished(info["meta"]))
         path = Path(source) if source != "auto" else self.store.latest(
             whole=whole if self._parts_needed else None)
         if path is None:

@@ -78,6 +78,14 @@ def _all_gather_flags(flag: bool) -> list[bool]:
     return flags
 
 
+def _run_ends(epochs: int | None, max_steps: int | None, step: int, epoch: int,
+              stop_reason: str | None) -> bool:
+    """A run at ``step`` and ``epoch`` has ended: it reached ``max_steps`` or ``epochs``, or
+    a callback stopped it (a checkpoint's counters say the same of the run it saved)."""
+    return ((max_steps is not None and step >= max_steps)
+            or (epochs is not None and epoch >= epochs) or stop_reason is not None)
+
+
 def _rescale_gradients(model: nn.Module | PipelineModel, factor: float) -> None:
     for param in model.parameters():
         if param.grad is not None:
@@ -281,9 +289,9 @@ class Trainer:
             assert directory is not None  # the config requires checkpoint_dir for 'auto'
             reader = self.checkpointing or Checkpointing(self, directory, every=None,
                                                          keep_last=c.keep_last)
-            reader.resume(c.resume, finished=lambda meta: (
-                (max_steps is not None and meta["global_step"] >= max_steps)
-                or (epochs is not None and meta["epoch"] >= epochs)))
+            reader.resume(c.resume, finished=lambda meta: _run_ends(
+                epochs, max_steps, meta["global_step"], meta["epoch"],
+                (meta.get("callbacks") or {}).get("stop_reason")))
             if self.global_step > 0:
                 self.callbacks.fire("on_resume", self, self.global_step)
         if c.init_from and self.global_step == 0 and not self._initialized:
@@ -425,10 +433,8 @@ class Trainer:
 
     def _finished(self, epochs: int | None, max_steps: int | None,
                   epoch: int | None = None) -> bool:
-        epoch = self.epoch if epoch is None else epoch
-        return ((max_steps is not None and self.global_step >= max_steps)
-                or (epochs is not None and epoch >= epochs)
-                or self.callbacks.stop_reason is not None)
+        return _run_ends(epochs, max_steps, self.global_step,
+                         self.epoch if epoch is None else epoch, self.callbacks.stop_reason)
 
     def _total_steps(self, loader: DataLoader, epochs: int | None, max_steps: int | None
                      ) -> int | None:
